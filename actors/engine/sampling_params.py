@@ -78,6 +78,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be an integer, not a boolean")
+
         def bad(param: str, value: object, allowed: str) -> SamplingParamsError:
             return SamplingParamsError(param, f"{param}={value!r} is invalid: allowed {allowed}")
 
@@ -102,15 +106,21 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+            raise bad(
+                "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20] or null")
         if self.prompt_logprobs is not None:
-            raise bad("prompt_logprobs", self.prompt_logprobs, "null (prompt logprobs are not supported)")
+            raise bad(
+                "prompt_logprobs", self.prompt_logprobs, "null (prompt logprobs are not supported)"
+            )
 
     @property
     def greedy(self) -> bool:

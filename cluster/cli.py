@@ -1,0 +1,190 @@
+"""`spur`: the command line. The only module that prints.
+
+    spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
+    spur bench core [--json]
+
+Misuse (an unknown or repeated subcommand, a missing file, a bad value) is a
+one-line error with the usage and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+COMMANDS = ("capacity", "bench")
+BENCHES = ("core",)
+
+
+class UsageError(Exception):
+    """A mistake in how spur was called; printed with the usage, exit 2."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spur", description="spur: a paged-KV LLM serving cluster"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    cap = sub.add_parser("capacity", help="how many requests the KV pool holds (JSON with --json)")
+    cap.add_argument("--model", required=True, help="model folder, config.json, or geometry YAML")
+    cap.add_argument("--block-size", type=_positive, default=16)
+    size = cap.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=_positive, help="pool size in blocks (null included)")
+    size.add_argument("--kv-bytes", type=_positive, help="pool size in bytes (default 4 GiB)")
+    cap.add_argument("--kv-dtype", default="bfloat16", help="float32 | bfloat16 | float16 | fp8")
+    cap.add_argument(
+        "--state-dtype", default=None, help="dtype of state layers (default: kv dtype)"
+    )
+    cap.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
+    cap.add_argument(
+        "--max-num-batched-tokens", type=_positive, default=None, help="default: --chunk or 2048"
+    )
+    cap.add_argument("--simulate-prompt", type=_positive, help="run one request of N prompt tokens")
+    cap.add_argument(
+        "--chunk", type=_positive, default=None, help="prefill chunk of the simulation"
+    )
+    cap.add_argument("--decode", type=int, default=0, help="decode steps of the simulation")
+    cap.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    bench = sub.add_parser("bench", help="benchmarks (machine-readable with --json)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    core = bench_sub.add_parser("core", help="KV manager and scheduler bookkeeping trace")
+    core.add_argument("--requests", type=_positive, default=2000)
+    core.add_argument("--seed", type=int, default=0)
+    core.add_argument("--json", action="store_true")
+    return parser
+
+
+def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    words = [a for a in argv if not a.startswith("-")]
+    if words and words[0] in COMMANDS and len(words) > 1 and words[1] == words[0]:
+        raise UsageError(f"'{words[0]}' given twice; usage: {parser.format_usage().strip()}")
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    import json as _json
+    from pathlib import Path
+
+    from spur.actors.engine import capacity as cap
+
+    try:
+        geometry = cap.load_geometry(
+            args.model, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    max_len = args.max_model_len
+    if max_len is None:
+        cfg_path = Path(args.model)
+        cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
+        max_len = 4096
+        if cfg_path.suffix == ".json":
+            max_len = int(_json.loads(cfg_path.read_text()).get("max_position_embeddings", 4096))
+    chunk = args.max_num_batched_tokens or args.chunk or 2048
+    kv_bytes = args.kv_bytes if args.num_blocks is None and args.kv_bytes else None
+    if args.num_blocks is None and kv_bytes is None:
+        kv_bytes = 4 << 30
+    try:
+        report = cap.capacity(
+            geometry,
+            block_size=args.block_size,
+            max_model_len=max_len,
+            max_num_batched_tokens=chunk,
+            num_blocks=args.num_blocks,
+            kv_bytes=kv_bytes,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    result: dict[str, Any] = report.to_dict()
+    if args.simulate_prompt:
+        groups, _ = cap.build_groups(geometry)
+        sim = cap.simulate_request(
+            groups,
+            block_size=args.block_size,
+            num_blocks=report.num_blocks,
+            prompt_tokens=args.simulate_prompt,
+            chunk=args.chunk or chunk,
+            decode_tokens=args.decode,
+        )
+        result["simulation"] = sim.to_dict()
+        result["peak_blocks_held"] = sim.peak_blocks_held
+        result["geometry_blocks"] = sim.geometry_blocks
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_capacity(result)
+    return 0
+
+
+def _print_capacity(r: dict[str, Any]) -> None:
+    print(f"model {r['model']}: {r['num_blocks']:,} blocks of {r['block_size']} tokens")
+    print(
+        f"  tokens {r['tokens']:,}, block {r['block_bytes']:,} B, padding {r['padding_percent']}%"
+    )
+    print(f"  max concurrency at {r['max_model_len']:,} tokens: {r['max_concurrency']:,}")
+    for g in r["groups"]:
+        print(
+            f"  group {g['group_id']} {g['kind']:>5} x{g['num_layers']}: page {g['page_bytes']:,} B"
+            f" (+{g['padding_percent']}% pad), {g['blocks_per_request']} blocks/request"
+        )
+    if "simulation" in r:
+        print(f"  simulation: peak {r['peak_blocks_held']} vs formula {r['geometry_blocks']}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "core":
+        from spur.cluster.bench import core
+
+        result = core.run(num_requests=args.requests, seed=args.seed)
+    else:
+        raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "capacity": cmd_capacity,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        _check_repeats(argv, parser)
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        if args.command is None:
+            raise UsageError(f"choose a command: {', '.join(COMMANDS)}")
+        return HANDLERS[args.command](args)
+    except UsageError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Scheduler: budgets, chunking, prefix hits, preemption, finish reasons, outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.outputs import ModelRunnerOutput
+from spur.actors.engine.request import RequestStatus
+from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+
+from .helpers import FULL, SLIDING, STATE, assert_all_free, make_engine, prompts, run_all
+
+
+def add(sched: Scheduler, rid: str, tokens: list[int], **params) -> None:
+    sched.add_request(sched.make_request(rid, tokens, SamplingParams(**params)))
+
+
+def fake_output(out, token: int = 7) -> ModelRunnerOutput:
+    """A hand-built runner output: one token for each request whose scheduled
+    tokens reach the end of what it knows."""
+    return ModelRunnerOutput({rid: [token] for rid in out.num_scheduled_tokens})
+
+
+def test_budget_chunks_prefill_and_running_go_first():
+    _, sched, _ = make_engine(budget=10, block_size=4)
+    add(sched, "a", list(range(25)), max_tokens=3)
+    add(sched, "b", list(range(100, 104)), max_tokens=3)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 10}  # b waits: budget spent
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 10}
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 5, "b": 4}
+    assert [r.request_id for r in sched.running] == ["a", "b"]
+
+
+def test_long_prefill_threshold_and_max_num_seqs():
+    _, sched, _ = make_engine(budget=64, threshold=6, max_num_seqs=2, block_size=4)
+    for i in range(3):
+        add(sched, f"r{i}", list(range(i * 50, i * 50 + 20)))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r0": 6, "r1": 6}  # r2: max_num_seqs
+    assert len(sched.waiting) == 1
+
+
+def test_prefix_hit_skips_computed_tokens():
+    core, sched, _ = make_engine(budget=64, block_size=4)
+    shared = list(range(16))
+    add(sched, "a", [*shared, 50, 51], max_tokens=1)
+    core.step()
+    add(sched, "b", [*shared, 60, 61, 62], max_tokens=1)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b": 3}
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 16
+    assert sched.requests["b"].num_cached_tokens == 16
+
+
+def test_outputs_send_new_requests_in_full_then_diffs():
+    _, sched, fake = make_engine(budget=6, block_size=4)
+    add(sched, "a", list(range(10)), max_tokens=5)
+    out1 = sched.schedule()
+    assert [n.req_id for n in out1.scheduled_new_reqs] == ["a"]
+    assert out1.scheduled_new_reqs[0].block_ids == [[1, 2]]
+    sched.update_from_output(out1, fake.execute_model(out1))
+    out2 = sched.schedule()  # the rest of the prompt: 4 tokens, one new block
+    assert not out2.scheduled_new_reqs
+    cached = out2.scheduled_cached_reqs
+    assert cached.req_ids == ["a"] and cached.new_block_ids == [[[3]]]
+    assert cached.num_computed_tokens == [6] and cached.new_token_ids == [[]]
+    res = fake.execute_model(out2)
+    (o,) = sched.update_from_output(out2, res)
+    out3 = sched.schedule()
+    assert out3.scheduled_cached_reqs.new_token_ids == [o.new_token_ids]
+    assert out3.scheduled_cached_reqs.new_block_ids == [None]
+
+
+def test_finish_reasons_stop_length_and_stop_token():
+    _, sched, _ = make_engine()
+    add(sched, "eos", [1, 2, 3], max_tokens=5)
+    sched.requests["eos"].eos_token_id = 7
+    add(sched, "len", [4, 5, 6], max_tokens=2)
+    add(sched, "tok", [7, 8, 9], max_tokens=5, stop_token_ids=[7])
+    add(sched, "min", [1, 1, 1], max_tokens=5, min_tokens=2, stop_token_ids=[7])
+    finished = {}
+    for _ in range(5):
+        out = sched.schedule()
+        for o in sched.update_from_output(out, fake_output(out)):
+            if o.finished:
+                finished[o.req_id] = (o.finish_reason, o.stop_reason, len(o.new_token_ids))
+    assert finished["eos"] == ("stop", None, 1)
+    assert finished["tok"] == ("stop", 7, 1)
+    assert finished["len"][0] == "length"
+    assert finished["min"][0] == "stop"  # only once 2 tokens exist
+    assert_all_free(sched)
+
+
+def test_abort_frees_blocks_at_once_and_tells_the_worker():
+    _, sched, fake = make_engine(block_size=4)
+    add(sched, "a", list(range(12)), max_tokens=50)
+    out = sched.schedule()
+    sched.update_from_output(out, fake.execute_model(out))
+    assert sched.kv.num_free_blocks < 63
+    (final,) = sched.abort_requests("a")
+    assert final.finish_reason == "abort"
+    assert sched.kv.num_free_blocks == 63
+    assert sched.schedule().finished_req_ids == {"a"}
+    assert sched.abort_requests(["a", "nope"]) == []  # unknown ids are ignored
+    assert_all_free(sched)
+
+
+def test_rejects_prompts_that_can_never_run():
+    _, sched, _ = make_engine(max_model_len=64)
+    with pytest.raises(RequestRejected, match="prompt has 64 tokens, max_model_len is 64"):
+        add(sched, "a", list(range(64)))
+    with pytest.raises(ValueError, match="needs 64"):
+        Scheduler(
+            SchedulerConfig(max_model_len=256),
+            KVCacheConfig(block_size=4, num_blocks=10),
+        )
+    add(sched, "ok", list(range(10)))
+    with pytest.raises(RequestRejected, match="already in use"):
+        add(sched, "ok", list(range(10)))
+
+
+def test_fcfs_preempts_the_most_recently_admitted():
+    _, sched, fake = make_engine(num_blocks=9, block_size=4, budget=64)  # 8 usable
+    add(sched, "old", list(range(12)), max_tokens=20)  # 3 blocks, then grows
+    add(sched, "new", list(range(100, 116)), max_tokens=20)  # 4 blocks (+1 at decode)
+    out = sched.schedule()
+    sched.update_from_output(out, fake.execute_model(out))
+    preempted = None
+    for _ in range(10):
+        out = sched.schedule()
+        if out.preempted_req_ids or sched.total_preemptions:
+            preempted = sched.waiting.peek()
+            break
+        sched.update_from_output(out, fake.execute_model(out))
+    assert preempted is not None and preempted.request_id == "new"
+    assert preempted.status == RequestStatus.PREEMPTED and preempted.num_computed_tokens == 0
+    assert sched.kv.num_held("new") == [0]
+    sched.check_integrity()
+
+
+def test_priority_policy_preempts_the_lowest_priority():
+    _, sched, fake = make_engine(num_blocks=9, block_size=4, budget=64, policy="priority")
+    sched.add_request(
+        sched.make_request("low", list(range(12)), SamplingParams(max_tokens=20), priority=5)
+    )
+    sched.add_request(
+        sched.make_request("high", list(range(50, 66)), SamplingParams(max_tokens=20), priority=0)
+    )
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"low", "high"}
+    sched.update_from_output(out, fake.execute_model(out))
+    for _ in range(10):
+        out = sched.schedule()
+        if sched.total_preemptions:
+            break
+        sched.update_from_output(out, fake.execute_model(out))
+    assert sched.waiting.peek().request_id == "low"
+    sched.check_integrity()
+
+
+def test_preemption_storm_makes_progress_and_counts():
+    ps = prompts(12, 30, shared=8)
+    core, sched, _ = make_engine(num_blocks=24, block_size=4, budget=48, max_num_seqs=12)
+    out = run_all(core, sched, ps, max_tokens=24, ignore_eos=True)
+    assert all(len(out[f"r{i}"]) == 24 for i in range(12))
+    assert sched.total_preemptions > 0
+    # The same text as with a pool that never preempts (the fake model's
+    # tokens depend on every KV entry it reads back).
+    core2, sched2, _ = make_engine(num_blocks=400, block_size=4, budget=48, max_num_seqs=12)
+    assert run_all(core2, sched2, ps, max_tokens=24, ignore_eos=True) == out
+    assert sched2.total_preemptions == 0
+
+
+@pytest.mark.parametrize("groups", [(FULL,), (FULL, SLIDING), (FULL, STATE, STATE)])
+def test_chunking_caching_and_preemption_never_change_the_text(groups):
+    ps = prompts(10, 37, shared=20, seed=3) + prompts(4, 9, seed=4)
+    ref_core, ref_sched, _ = make_engine(
+        num_blocks=1000, block_size=4, budget=4096, groups=groups, caching=False
+    )
+    reference = run_all(ref_core, ref_sched, ps, max_tokens=12, ignore_eos=True)
+    for num_blocks, budget in ((1000, 13), (60, 24), (45, 64)):
+        core, sched, _fake = make_engine(
+            num_blocks=num_blocks, block_size=4, budget=budget, groups=groups
+        )
+        assert run_all(core, sched, ps, max_tokens=12, ignore_eos=True) == reference
+        assert sched.kv.leaks.num_violations == 0
+
+
+def test_parallel_sampling_forks_share_the_prompt():
+    core, sched, fake = make_engine(block_size=4, budget=64)
+    add(sched, "p", list(range(10)), max_tokens=4, n=3, ignore_eos=True)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"p": 9}  # all but the last prompt token
+    sched.update_from_output(out, fake.execute_model(out))
+    out = sched.schedule()  # fork, then each computes the last prompt token
+    assert out.num_scheduled_tokens == {"p": 1, "p#1": 1, "p#2": 1}
+    assert len(out.blocks_to_copy) == 2  # the partly filled block, per child
+    p_ids = sched.kv.block_ids("p")[0]
+    assert sched.kv.block_ids("p#1")[0][:2] == p_ids[:2]
+    assert sched.kv.pool.blocks[p_ids[0]].ref_cnt == 3
+    sched.update_from_output(out, fake.execute_model(out))
+    sched.check_integrity()
+    result = core.run_until_done()
+    assert set(result) == {"p", "p#1", "p#2"}
+    assert sched.requests == {}
+    assert_all_free(sched)
+
+
+def test_abort_of_a_parent_aborts_its_forks():
+    core, sched, _fake = make_engine(block_size=4, budget=64)
+    add(sched, "p", list(range(10)), max_tokens=40, n=2)
+    core.step()
+    core.step()
+    assert "p#1" in sched.requests
+    outs = sched.abort_requests("p")
+    assert {o.req_id for o in outs} == {"p", "p#1"}
+    assert_all_free(sched)
+
+
+def test_stats_per_step():
+    core, sched, _ = make_engine(block_size=4, budget=64)
+    add(sched, "a", list(range(20)), max_tokens=2)
+    _, stats = core.step()
+    assert stats.num_running == 1 and stats.num_scheduled_tokens == 20
+    assert stats.prefix_queries == 20 and stats.prefix_hits == 0
+    add(sched, "b", list(range(20)), max_tokens=2)
+    _, stats = core.step()
+    assert stats.prefix_queries == 20 and stats.prefix_hits == 16
+    assert 0 < stats.kv_usage < 1

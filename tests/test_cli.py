@@ -1,0 +1,46 @@
+"""The `spur` command line: real subprocesses, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SPUR = [sys.executable, "-m", "spur.cluster.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SPUR, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_bench_core_prints_json_with_every_figure():
+    res = run("bench", "core", "--requests", "128", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["bench"] == "core" and out["trace"]["requests"] == 128
+    ops = out["manager"]["us_per_op"]
+    assert set(ops) == {
+        "hash_prompt",
+        "prefix_lookup",
+        "allocate_prefill",
+        "allocate_decode",
+        "free",
+    }
+    assert all(v > 0 for v in ops.values())
+    assert out["manager"]["requests_per_s"] > 0 and out["scheduler"]["requests_per_s"] > 0
+    # 8 groups share 512 of 1,024 tokens; after each group's first request
+    # every request hits exactly 32 blocks.
+    assert out["manager"]["prefix_hit_rate"] == round((128 - 8) * 512 / (128 * 1024), 4)
+    assert out["hashing"]["speedup"] > 0
+
+
+def test_misuse_is_a_clear_error_and_exit_2():
+    res = run("capacity", "capacity", "--model", "x")
+    assert res.returncode == 2 and "'capacity' given twice; usage:" in res.stderr
+    res = run("frobnicate")
+    assert res.returncode == 2 and "invalid choice" in res.stderr
+    res = run()
+    assert res.returncode == 2 and "choose a command" in res.stderr
+    res = run("capacity", "--model", "cfg.json", "--block-size", "0")
+    assert res.returncode == 2 and "must be >= 1" in res.stderr
+    assert "Traceback" not in res.stderr
