@@ -1,0 +1,168 @@
+"""The torch reference (the CPU serving path) against a naive dense oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DECODES, FP8, MIXED, dense_attention, make_case
+
+from spur.kernels import (
+    build_attention_metadata,
+    paged_attention,
+    paged_attention_ref,
+    select_backend,
+    store_kv,
+    store_kv_ref,
+)
+from spur.kernels import fp8 as fp8mod
+
+# (query dtype, cache dtype, atol against the dense oracle on what the cache holds)
+DTYPES = [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),
+    (torch.float16, torch.float16, 2e-3),
+    (torch.float32, FP8, 1e-5),
+    (torch.bfloat16, FP8, 2e-2),
+]
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype", "atol"), DTYPES)
+@pytest.mark.parametrize("reqs", [MIXED, DECODES, [(0, 9)], [(11, 5)]], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_reference_matches_dense(reqs, dtype, cache_dtype, atol, sliding_window):
+    case = make_case(reqs, dtype=dtype, cache_dtype=cache_dtype, pad_tokens=2, seed=len(reqs))
+    out = paged_attention_ref(
+        case.query,
+        case.kv_cache,
+        case.metadata,
+        scale=case.scale,
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        sliding_window=sliding_window,
+    )
+    n = case.metadata.num_actual_tokens
+    assert out.dtype == dtype and out.shape == case.query.shape
+    expected = dense_attention(case, sliding_window)
+    torch.testing.assert_close(out[:n].double(), expected, atol=atol, rtol=atol)
+    assert not out[n:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_gqa_group_sizes(group):
+    case = make_case(MIXED, num_kv_heads=3, group=group, head_dim=8, block_size=8)
+    out = paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+    torch.testing.assert_close(out.double(), dense_attention(case), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_close_to_unquantized():
+    """fp8 error stays within e4m3's ~2**-4 relative step, end to end."""
+    exact = make_case(MIXED, seed=3)
+    quant = make_case(MIXED, cache_dtype=FP8, seed=3)
+    out = paged_attention_ref(
+        quant.query,
+        quant.kv_cache,
+        quant.metadata,
+        scale=quant.scale,
+        k_scale=quant.k_scale,
+        v_scale=quant.v_scale,
+    )
+    torch.testing.assert_close(out.double(), dense_attention(exact), atol=0.08, rtol=0.1)
+
+
+def test_out_buffer_and_tensor_scales():
+    case = make_case(MIXED, cache_dtype=FP8)
+    out = torch.full_like(case.query, 7.0)
+    res = paged_attention(
+        case.query,
+        case.kv_cache,
+        case.metadata,
+        scale=case.scale,
+        k_scale=torch.tensor(case.k_scale),
+        v_scale=torch.tensor([case.v_scale]),
+        out=out,
+        backend="torch",
+    )
+    assert res is out
+    torch.testing.assert_close(out.double(), dense_attention(case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
+def test_store_kv_skips_padding_slots(cache_dtype):
+    num_blocks, block_size, heads, dim = 4, 4, 2, 8
+    storage = torch.uint8 if cache_dtype == FP8 else cache_dtype
+    cache = torch.zeros((2, num_blocks, block_size, heads, dim), dtype=storage)
+    key, value = torch.randn(5, heads, dim), torch.randn(5, heads, dim)
+    slots = torch.tensor([13, -1, 2, 7, -1], dtype=torch.int64)
+    k_scale, v_scale = (0.02, 0.04) if cache_dtype == FP8 else (1.0, 1.0)
+    store_kv(key, value, cache, slots, k_scale, v_scale, backend="torch")
+
+    if cache_dtype == FP8:
+        got = fp8mod.dequantize(cache, 1.0).flatten(1, 2)  # [2, slots, heads, dim]
+        got[0] *= k_scale
+        got[1] *= v_scale
+        atol, rtol = 0.0, 0.07  # one e4m3 step
+    else:
+        got = cache.float().flatten(1, 2)
+        atol, rtol = (0.0, 0.0) if cache_dtype == torch.float32 else (0.0, 8e-3)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(got[0, slot], key[row], atol=atol, rtol=rtol)
+            torch.testing.assert_close(got[1, slot], value[row], atol=atol, rtol=rtol)
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(num_blocks * block_size) if s not in written]
+    assert not got[:, untouched].any()
+
+
+def test_store_kv_fp8_saturates():
+    cache = torch.zeros((2, 1, 2, 1, 4), dtype=torch.uint8)
+    key = torch.tensor([[[1e6, -1e6, 0.5, 3.0]]])
+    store_kv_ref(key, key, cache, torch.tensor([1]), 1.0, 1.0)
+    got = fp8mod.dequantize(cache[0, 0, 1, 0], 1.0)
+    assert got.tolist() == [448.0, -448.0, 0.5, 3.0]
+
+
+def test_build_metadata_slots_and_padding():
+    meta = build_attention_metadata(
+        [5, 0], [2, 3], [[4, 9], [1]], block_size=4, num_padded_tokens=7
+    )
+    # request 0: positions 5, 6 -> block 9 (second), offsets 1, 2; request 1: 0..2 -> block 1.
+    assert meta.slot_mapping.tolist() == [37, 38, 4, 5, 6, -1, -1]
+    assert meta.query_start_loc.tolist() == [0, 2, 5]
+    assert meta.seq_lens.tolist() == [7, 3]
+    assert meta.block_tables.tolist() == [[4, 9], [1, 0]]
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_actual_tokens) == (3, 7, 5)
+    meta.check(block_size=4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([5], [4], [[1, 2]], block_size=4)
+
+
+def test_argument_errors_name_the_problem():
+    case = make_case(DECODES)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention_ref(case.query[:, :3], case.kv_cache, case.metadata, scale=1.0)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        paged_attention_ref(case.query, case.kv_cache[0], case.metadata, scale=1.0)
+    with pytest.raises(ValueError, match="out must match"):
+        paged_attention_ref(
+            case.query, case.kv_cache, case.metadata, scale=1.0, out=case.query.half()
+        )
+    with pytest.raises(ValueError, match="slot_mapping must be a 1-D int64"):
+        store_kv_ref(
+            case.query[:, :2], case.query[:, :2], case.kv_cache, torch.zeros(4, dtype=torch.int32)
+        )
+
+
+def test_select_backend(monkeypatch):
+    monkeypatch.delenv("SPUR_ATTENTION_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_backend("auto", "cpu") == "torch"
+    assert select_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert select_backend("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="use one of"):
+        select_backend("flash", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("triton", "cpu") == "triton"
+    monkeypatch.setenv("SPUR_ATTENTION_BACKEND", "torch")
+    assert select_backend("triton", "cuda") == "torch"
