@@ -1,0 +1,48 @@
+"""RMSNorm with float32 accumulation and an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spur.actors.worker.layers.linear import default_weight_loader, set_weight_attrs
+
+
+class RMSNorm(nn.Module):
+    """`y = w * x / sqrt(mean(x^2) + eps)`, statistics in float32.
+
+    The normalised value is cast back to the input dtype before the weight
+    multiply (as the Llama reference does), so bf16 results match it bit for bit.
+    Weights are replicated on every TP rank.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=params_dtype), requires_grad=False
+        )
+        set_weight_attrs(self.weight, weight_loader=default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise the last dim of `x [..., hidden]`.
+
+        Without `residual`: returns `norm(x)`. With it: returns
+        `(norm(x + residual), x + residual)`, the second being the new residual
+        stream. Inputs are not mutated.
+        """
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -1,0 +1,269 @@
+"""The sampler: one token per request from the model's last-position logits.
+
+Input: `logits` float32 `[num_reqs, vocab]` (one row per request that samples this
+step) and the step's `SamplingMetadata` (see `sampling_metadata.py`). Output:
+`SamplerOutput`. The logits are processed **in place** (the runner makes them fresh
+every step; a copy of a `[num_reqs, vocab]` tensor each step would be wasted memory).
+
+Processing order, each step applied only to the rows that use it:
+
+1. logprobs: log_softmax of the *raw* logits, before anything below (see below).
+2. min_tokens: rows with fewer than min_tokens outputs get -inf on EOS and their
+   stop_token_ids (EOS is masked even with ignore_eos, as in vLLM; ignore_eos itself
+   never masks EOS, it only keeps EOS from ending the request).
+3. repetition penalty over prompt + output tokens: positive logits are divided by it,
+   negative ones multiplied.
+4. frequency (times the count) and presence (once) penalties over output tokens,
+   subtracted.
+5. greedy rows: argmax of these processed logits. Steps 6-8 keep the argmax token,
+   so doing it here gives the same answer for less work.
+6. temperature: random rows' logits divided by T.
+7. top-k (ties at the k-th value are all kept), then top-p on the distribution left
+   by top-k (the smallest set of most likely tokens with mass >= top_p, plus any tied
+   with the last one; the top token always stays), then min-p (drop tokens with
+   p < min_p * p_max). min-p is last and computed in logit space
+   (l < l_max + log min_p): the ratio p / p_max does not change when earlier filters
+   renormalise, so min-p is a pure intersection here.
+8. sampling by exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. (made as
+   -log u, u ~ U[0, 1)) is an exact draw from probs. A seeded row draws its own
+   `[vocab]` u from its own generator, so its tokens depend on nothing but its seed and
+   its own logits, not on the batch size or its row; unseeded rows share one generator.
+
+Logprobs are those of the model's raw distribution (log_softmax of the unprocessed
+logits), as vLLM returns by default: what the model believes, independent of the
+sampling knobs. The rank is 1 + the number of tokens with a strictly larger logprob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from spur.actors.worker.sampling_metadata import (
+    MinTokensMask,
+    PenaltyMetadata,
+    RowValues,
+    SamplingMetadata,
+)
+
+# Top-p looks at this many most likely tokens before it resorts to a full sort.
+_TOP_P_CANDIDATES = 256
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs of one sampled token, from the raw distribution."""
+
+    logprob: float
+    """Logprob of the sampled token."""
+    top: list[tuple[int, float]]
+    """The top-N (token id, logprob) pairs, most likely first; empty when N = 0."""
+    rank: int
+    """1 + number of tokens with a strictly larger logprob than the sampled one."""
+
+
+@dataclass
+class SamplerOutput:
+    """The result of one sampling step."""
+
+    sampled_token_ids: torch.Tensor
+    """[num_reqs] int64 on the logits' device, one token per row."""
+    logprobs: list[TokenLogprobs | None]
+    """One entry per row; None where the request did not ask for logprobs."""
+
+
+class Sampler:
+    """Stateless: all per-request state lives in `SamplerState` / `SamplingMetadata`."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row. Mutates `logits`; see the module docstring."""
+        if logits.dim() != 2 or logits.shape[0] != meta.num_reqs:
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} for {meta.num_reqs} requests: "
+                "expected [num_reqs, vocab]"
+            )
+        if logits.dtype != torch.float32:
+            raise ValueError(f"logits must be float32, got {logits.dtype}")
+        raw_logprobs = None
+        if meta.logprobs is not None:
+            rows = meta.logprobs.rows
+            # log_softmax allocates its result, so later in-place steps cannot alter it.
+            raw_logprobs = torch.log_softmax(logits if rows is None else logits[rows], dim=-1)
+
+        if not meta.needs_processing:
+            sampled = logits.argmax(dim=-1)  # the fast path: greedy, nothing to process
+        else:
+            sampled = self._process_and_sample(logits, meta)
+
+        logprobs: list[TokenLogprobs | None] = [None] * meta.num_reqs
+        if raw_logprobs is not None:
+            assert meta.logprobs is not None
+            _fill_logprobs(logprobs, raw_logprobs, sampled, meta)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _process_and_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        apply_min_tokens(logits, meta.min_tokens)
+        apply_penalties(logits, meta.penalties)
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1) if meta.greedy is not None else None
+        if meta.temperature is not None:
+            logits.div_(meta.temperature.unsqueeze(1))
+        apply_top_k(logits, meta.top_k)
+        apply_top_p(logits, meta.top_p)
+        apply_min_p(logits, meta.min_p)
+        random_ids = exponential_race(logits, meta)
+        if greedy_ids is None:
+            return random_ids
+        assert meta.greedy is not None
+        return torch.where(meta.greedy, greedy_ids, random_ids)
+
+
+# ---- processing steps: each mutates logits [num_reqs, vocab] in place -------------------
+
+
+def _rows_view(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The selected rows: `logits` itself when rows is None, else a gathered copy."""
+    return logits if rows is None else logits[rows]
+
+
+def _write_back(logits: torch.Tensor, rows: torch.Tensor | None, sub: torch.Tensor) -> None:
+    if rows is not None:
+        logits[rows] = sub
+    elif sub is not logits:
+        logits.copy_(sub)
+
+
+def apply_min_tokens(logits: torch.Tensor, mask: MinTokensMask | None) -> None:
+    """Set the listed (row, token) logits to -inf."""
+    if mask is not None:
+        logits[mask.rows, mask.token_ids] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata | None) -> None:
+    """Repetition, then frequency and presence penalties (formulas in the module doc)."""
+    if pen is None:
+        return
+    x = _rows_view(logits, pen.rows)  # [P, vocab]
+    counts = pen.output_counts  # [P, vocab] int32
+    if pen.repetition is not None:
+        assert pen.prompt_mask is not None
+        seen = pen.prompt_mask | (counts > 0)
+        factor = torch.where(seen, pen.repetition.unsqueeze(1), 1.0)
+        x = torch.where(x > 0, x / factor, x * factor)
+    if pen.frequency is not None:
+        x = x - pen.frequency.unsqueeze(1) * counts
+    if pen.presence is not None:
+        x = x - pen.presence.unsqueeze(1) * (counts > 0)
+    _write_back(logits, pen.rows, x)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: RowValues | None) -> None:
+    """Keep the k largest logits of each listed row (and any tied with the k-th)."""
+    if top_k is None:
+        return
+    x = _rows_view(logits, top_k.rows)  # [S, vocab]
+    k = top_k.values  # [S] int64, 1 <= k < vocab
+    # One topk with the largest k of the batch; each row reads its own k-th value.
+    top_values = x.topk(int(top_k.max_value), dim=-1).values  # [S, k_max], descending
+    threshold = top_values.gather(1, (k - 1).unsqueeze(1))  # [S, 1]
+    x.masked_fill_(x < threshold, float("-inf"))
+    _write_back(logits, top_k.rows, x)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: RowValues | None) -> None:
+    """Keep the smallest set of most likely tokens whose probability mass is >= p.
+
+    Tokens tied with the least likely kept one are kept too. A full sort of the vocab is
+    slow on CPU (about 4 ms per 49k-token row, single thread), so each row first looks
+    at its `_TOP_P_CANDIDATES` most likely tokens and falls back to a full sort only
+    when they hold less than p. The choice depends on the row alone, so a row's result
+    does not depend on the batch.
+    """
+    if top_p is None:
+        return
+    x = _rows_view(logits, top_p.rows)  # [S, vocab]
+    p = top_p.values.unsqueeze(1)  # [S, 1]
+    probs = x.softmax(dim=-1)  # [S, vocab]
+    candidates = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values  # [S, C]
+    threshold, covered = _nucleus_threshold(candidates, p)  # [S, 1], [S]
+    if not bool(covered.all()):
+        rest = torch.nonzero(~covered).squeeze(1)  # [U] rows whose nucleus is larger
+        full = probs[rest].sort(dim=-1, descending=True).values  # [U, vocab]
+        threshold[rest] = _nucleus_threshold(full, p[rest])[0]
+    x.masked_fill_(probs < threshold, float("-inf"))
+    _write_back(logits, top_p.rows, x)
+
+
+def _nucleus_threshold(
+    sorted_probs: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest kept probability of each row, and whether the given prefix holds p.
+
+    sorted_probs: [S, C] descending (a prefix of the row's sorted probabilities);
+    p: [S, 1]. Token i is kept when the tokens before it hold less than p. Returns
+    ([S, 1] threshold, [S] bool covered). A row is covered when its C tokens hold
+    >= p: the nucleus then lies within them and the threshold is exact.
+    """
+    cum = sorted_probs.cumsum(dim=-1)  # [S, C], non-decreasing even when rounded
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # mass before i
+    num_kept = (before < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
+    threshold = sorted_probs.gather(1, num_kept - 1)  # [S, 1]
+    return threshold, cum[:, -1] >= p.squeeze(1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: RowValues | None) -> None:
+    """Drop tokens with probability below min_p times the top one (in logit space)."""
+    if min_p is None:
+        return
+    x = _rows_view(logits, min_p.rows)  # [S, vocab]
+    threshold = x.amax(dim=-1, keepdim=True) + min_p.values.log().unsqueeze(1)  # [S, 1]
+    x.masked_fill_(x < threshold, float("-inf"))
+    _write_back(logits, min_p.rows, x)
+
+
+def exponential_race(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """One draw per row from softmax(logits): argmax(probs / q), q ~ Exp(1).
+
+    Returns [num_reqs] int64. Greedy rows get an arbitrary token (the caller replaces it).
+    Seeded rows draw their noise from their own generator, with the same shape every
+    step. q is made as -log(u), u ~ U[0, 1): 4 times faster than `exponential_` on CPU,
+    and q lies in (0, inf], so probs / q is never NaN (a zero-probability token scores 0).
+    """
+    probs = logits.softmax(dim=-1)  # [num_reqs, vocab]
+    u = torch.empty_like(probs)  # [num_reqs, vocab]
+    if meta.any_unseeded_random:
+        u.uniform_(generator=meta.shared_generator)
+    else:
+        u.fill_(0.5)  # only greedy rows left to fill; their draw is discarded
+    vocab = logits.shape[1]
+    for row, generator in meta.seeded:
+        u[row] = torch.rand(vocab, generator=generator, device=probs.device)
+    q = u.log_().neg_()
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _fill_logprobs(
+    out: list[TokenLogprobs | None],
+    raw_logprobs: torch.Tensor,
+    sampled: torch.Tensor,
+    meta: SamplingMetadata,
+) -> None:
+    """Fill `out` at the rows that asked for logprobs (raw_logprobs: [L, vocab])."""
+    req = meta.logprobs
+    assert req is not None
+    chosen = sampled if req.rows is None else sampled[req.rows]  # [L]
+    chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1))  # [L, 1]
+    ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1  # [L]
+    if req.max_num > 0:
+        top_lp, top_ids = raw_logprobs.topk(req.max_num, dim=-1)  # [L, max_num], descending
+        top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
+    else:
+        top_lp_list = top_ids_list = [[] for _ in req.row_list]
+    chosen_list = chosen_lp.squeeze(1).tolist()
+    rank_list = ranks.tolist()
+    for j, (row, n) in enumerate(zip(req.row_list, req.num, strict=True)):
+        top = list(zip(top_ids_list[j][:n], top_lp_list[j][:n], strict=True))
+        out[row] = TokenLogprobs(logprob=chosen_list[j], top=top, rank=rank_list[j])
