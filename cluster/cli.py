@@ -1,7 +1,8 @@
 """`spur`: the command line. The only module that prints.
 
+    spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core [--json]
+    spur bench core|engine [--json]
 
 Misuse (an unknown or repeated subcommand, a missing file, a bad value) is a
 one-line error with the usage and exit status 2, never a traceback.
@@ -16,8 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-COMMANDS = ("capacity", "bench")
-BENCHES = ("core",)
+COMMANDS = ("generate", "capacity", "bench")
+BENCHES = ("core", "engine")
 
 
 class UsageError(Exception):
@@ -40,6 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal")
+    gen.add_argument("--model", default="SmolLM2-135M-Instruct", help="folder, .gguf or demo name")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=_positive, default=128)
+    gen.add_argument("--min-tokens", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    gen.add_argument("--tensor-parallel-size", type=_positive, default=1)
 
     cap = sub.add_parser("capacity", help="how many requests the KV pool holds (JSON with --json)")
     cap.add_argument("--model", required=True, help="model folder, config.json, or geometry YAML")
@@ -68,7 +88,61 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--requests", type=_positive, default=2000)
     core.add_argument("--seed", type=int, default=0)
     core.add_argument("--json", action="store_true")
+    engine = bench_sub.add_parser("engine", help="offline engine vs transformers static batches")
+    engine.add_argument("--requests", type=_positive, default=64)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--dtypes", default="float32,bfloat16")
+    engine.add_argument("--model", default="SmolLM2-135M-Instruct")
+    engine.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
+    engine.add_argument("--json", action="store_true")
     return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from spur.actors.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    from spur.actors.llm import LLM
+    from spur.actors.worker.loader import ModelLoadError
+
+    try:
+        llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    except (ModelLoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        prompt = (
+            llm.chat_prompt([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else args.prompt
+        )
+        finish = None
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            finish = delta.finish_reason or finish
+        sys.stdout.write("\n")
+        logging.getLogger("spur.cli").info("finish_reason=%s", finish)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        llm.shutdown()
+    return 0
 
 
 def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
@@ -152,6 +226,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
+    elif args.bench == "engine":
+        from spur.cluster.bench import engine
+
+        result = engine.run(
+            num_requests=args.requests,
+            seed=args.seed,
+            dtypes=tuple(d for d in args.dtypes.split(",") if d),
+            model=args.model,
+            quick=args.quick,
+        )
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
     if args.json:
@@ -163,6 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": cmd_generate,
     "capacity": cmd_capacity,
     "bench": cmd_bench,
 }

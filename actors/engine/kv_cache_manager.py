@@ -62,11 +62,14 @@ class KVCacheConfig:
 
 @dataclass
 class PrefixCacheStats:
-    """Counted in tokens: queries = prompt tokens looked up, hits = served."""
+    """Counted in tokens: queries = prompt tokens looked up, hits = served.
+    `queries` / `hits` restart every step (Scheduler.make_stats); the totals don't."""
 
     queries: int = 0
     hits: int = 0
     requests: int = 0
+    total_queries: int = 0
+    total_hits: int = 0
 
 
 @dataclass
@@ -158,6 +161,8 @@ class KVCacheManager:
         stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += n * self.block_size
+        stats.total_queries += request.num_tokens
+        stats.total_hits += n * self.block_size
         return [m.hit_blocks(hashes, n) for m in self.managers], n * self.block_size
 
     # -- allocation ---------------------------------------------------------------------

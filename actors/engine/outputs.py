@@ -126,3 +126,35 @@ class SchedulerStats:
     total_preemptions: int = 0
     total_evictions: int = 0
     kv_leak_violations: int = 0  # total requests flagged by the leak detector
+
+
+# -- what a front end returns (offline LLM API, HTTP ingress) ----------------------------
+@dataclass
+class CompletionOutput:
+    """One of the n completions of a request, accumulated so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string hit
+    logprobs: list[Logprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request as its client sees it: the prompt and its completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

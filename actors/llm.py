@@ -1,0 +1,239 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`.
+
+It builds one engine in this process (the scheduler and KV manager of
+`actors/engine`, workers through an executor: in-process for TP=1, worker
+processes for TP>1) and drives its step loop until the prompts are done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from spur.actors.engine.core import EngineCore
+from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
+from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.output_processor import Delta, OutputProcessor
+from spur.actors.engine.outputs import RequestOutput
+from spur.actors.engine.request import RequestStatus
+from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.worker.executors import make_executor
+from spur.actors.worker.worker import ModelInfo, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A whole engine in one process. Not thread-safe.
+
+    Args:
+        model: Hugging Face folder, .gguf file, or "SmolLM2-135M-Instruct".
+        dtype: float32 | bfloat16 | float16 | auto.
+        tensor_parallel_size: worker processes (gloo on CPU, NCCL on CUDA).
+        num_kv_blocks / kv_cache_bytes: size of the KV pool (blocks win);
+            default: 2 GiB on CPU, gpu_memory_utilization on CUDA.
+        max_model_len: default the model's max_position_embeddings, capped to
+            what one request can hold in the pool.
+    """
+
+    def __init__(
+        self,
+        model: str = "SmolLM2-135M-Instruct",
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        long_prefill_token_threshold: int = 0,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        attn_backend: str = "auto",
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        self.worker_config = WorkerConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+            attn_backend=attn_backend,
+            seed=seed,
+            num_threads=num_threads,
+        )
+        self.executor = make_executor(self.worker_config)
+        try:
+            infos: list[ModelInfo] = self.executor.collective_rpc("load_model")
+            self.info = info = infos[0]
+            if num_kv_blocks is None:
+                num_kv_blocks = min(
+                    self.executor.collective_rpc("determine_num_blocks", (kv_cache_bytes,))
+                )
+            if num_kv_blocks < 2:
+                raise ValueError(
+                    f"the KV budget holds {num_kv_blocks} blocks: give kv_cache_bytes more memory"
+                )
+            self.executor.collective_rpc("initialize_cache", (num_kv_blocks,))
+            spec = FullAttentionSpec(info.num_kv_heads, info.head_dim, info.kv_dtype_bytes)
+            kv_config = KVCacheConfig(
+                block_size=block_size,
+                num_blocks=num_kv_blocks,
+                groups=(KVCacheGroup(spec, info.num_attention_layers),),
+                enable_prefix_caching=enable_prefix_caching,
+            )
+            fits = (num_kv_blocks - 1) * block_size
+            if max_model_len is None:
+                max_model_len = min(info.max_position_embeddings, fits)
+            self.scheduler = Scheduler(
+                SchedulerConfig(
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len,
+                    long_prefill_token_threshold=long_prefill_token_threshold,
+                    policy=policy,
+                ),
+                kv_config,
+            )
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.engine = EngineCore(self.scheduler, self.executor)
+        self._tokenizer: Any = None
+        self._ids = itertools.count()
+        self.last_run_stats: dict[str, Any] = {}
+
+    # -- tokenizer ----------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The model folder's tokenizer, or None when it has none (token ids only)."""
+        if self._tokenizer is None:
+            from pathlib import Path
+
+            from transformers import AutoTokenizer
+
+            folder = Path(self.info.model_dir)
+            if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+                self._tokenizer = False
+            else:
+                self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        return self._tokenizer or None
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{self.info.model_dir} has no tokenizer: pass token ids instead of text"
+                )
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat, with the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.info.model_dir} has no tokenizer: chat needs one")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        # The template already holds the special tokens (BOS, role markers).
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # -- generation ---------------------------------------------------------------------
+    def _add(self, prompt: Prompt, params: SamplingParams, processor: OutputProcessor) -> str:
+        rid = str(next(self._ids))
+        token_ids = self.encode(prompt)
+        request = self.scheduler.make_request(
+            rid, token_ids, params, eos_token_id=self.info.eos_token_id
+        )
+        self.engine.add_request(request)
+        processor.add_request(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
+        return rid
+
+    def _run(self, processor: OutputProcessor) -> Iterator[list[Delta]]:
+        peak_slots = peak_held = steps = 0
+        preempt_before = self.scheduler.total_preemptions
+        block_size = self.scheduler.block_size
+        while self.engine.has_unfinished_requests():
+            outputs, stats = self.engine.step()
+            steps += 1
+            held = sum(len(r.all_token_ids) for r in self.scheduler.running)
+            slots = (self.scheduler.kv.pool.num_blocks - 1 - stats.num_free_blocks) * block_size
+            peak_slots, peak_held = max(peak_slots, slots), max(peak_held, held)
+            update = processor.process(outputs)
+            if update.to_finish:
+                self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
+            yield update.deltas
+        self.last_run_stats = {
+            "steps": steps,
+            "kv_slots_allocated_peak": peak_slots,
+            "kv_tokens_held_peak": peak_held,
+            "num_preemptions": self.scheduler.total_preemptions - preempt_before,
+            "step_times": self.executor.collective_rpc("step_times")[0],
+        }
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order.
+
+        `prompts`: text(s) or token-id list(s). Raises RequestRejected (a
+        ValueError naming the fix) for a prompt that can never run, before any
+        prompt starts.
+        """
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(batch)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params)} sampling params")
+        processor = OutputProcessor(self.tokenizer)
+        ids = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                ids.append(self._add(prompt, p, processor))
+        except ValueError:
+            self.scheduler.abort_requests(ids)
+            raise
+        results = {rid: processor.requests[rid].output for rid in ids}
+        for _ in self._run(processor):
+            pass
+        return [results[rid] for rid in ids]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[Delta]:
+        """Yield text deltas of one prompt as they are produced (for the CLI)."""
+        processor = OutputProcessor(self.tokenizer)
+        self._add(prompt, sampling_params or SamplingParams(), processor)
+        for deltas in self._run(processor):
+            yield from deltas
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

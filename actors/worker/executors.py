@@ -1,0 +1,140 @@
+"""Executors: where the workers live. The engine only sees `Executor`.
+
+- `UniProcExecutor`: one worker in this process (TP=1).
+- `MultiprocExecutor`: one worker process per rank, joined in a
+  torch.distributed group (gloo on CPU, NCCL on CUDA); calls go over pipes.
+The Ray executor of the cluster issue has the same shape with actors.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from spur.actors.engine.executor import Executor
+from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.worker.worker import Worker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; the message carries its rank and traceback."""
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("UniProcExecutor runs one worker: use MultiprocExecutor for TP > 1")
+        self.worker = Worker(config, rank=0)
+        self.worker.init_device()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        fn = getattr(self.worker, method) if isinstance(method, str) else method
+        return [fn(*args, **(kwargs or {}))]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_main(conn: Any, config: WorkerConfig, rank: int, init_method: str) -> None:
+    worker = Worker(config, rank=rank, dist_init_method=init_method)
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            break
+        if method == "__stop__":
+            worker.shutdown()
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+        except Exception:  # the traceback goes back to the engine
+            conn.send(("err", traceback.format_exc()))
+
+
+class MultiprocExecutor(Executor):
+    """`tensor_parallel_size` worker processes; rank 0's output is the step's."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns = []
+        self.procs = []
+        for rank in range(config.tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(child, config, rank, init_method),
+                name=f"spur-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.collective_rpc("init_device")
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        if not isinstance(method, str):
+            raise TypeError("MultiprocExecutor calls worker methods by name")
+        for conn in self.conns:
+            conn.send((method, args, kwargs or {}))
+        results = []
+        errors = []
+        for rank, conn in enumerate(self.conns):
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                status, value = "err", "the worker process died"
+            if status == "err":
+                errors.append(f"rank {rank}: {value}")
+            results.append(value)
+        if errors:
+            raise WorkerError(f"{method} failed on workers:\n" + "\n".join(errors))
+        return results
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("__stop__", (), {}))
+                conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.conns, self.procs = [], []
+
+
+def make_executor(config: WorkerConfig) -> Executor:
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(config)
+    return MultiprocExecutor(config)

@@ -1,0 +1,189 @@
+"""The model runner: SchedulerOutput -> flat inputs -> forward -> sample -> ModelRunnerOutput.
+
+One per worker (per tensor-parallel rank). It owns the paged KV cache tensors
+(one per attention layer) and the sampler's per-request state. Every rank runs
+the same forward and the same (seeded) sampling, so every rank returns the same
+tokens; the executor reads rank 0's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spur.actors.engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from spur.actors.worker.input_batch import RequestStates
+from spur.actors.worker.sampler import Sampler
+from spur.actors.worker.sampling_metadata import SamplerState
+from spur.kernels import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+KV_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.uint8,  # e4m3 bits, written and read through a view (CPU lacks fp8 ops)
+}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the KV cache: "auto" follows the model."""
+    if name == "auto":
+        return model_dtype
+    try:
+        return KV_DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is unknown: use auto, {', '.join(KV_DTYPES)}"
+        ) from None
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent per phase, summed over steps (for the engine profile)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    logits: float = 0.0
+    sample: float = 0.0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Runs one rank's share of the model on a paged KV cache. Not thread-safe."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        block_size: int,
+        max_num_batched_tokens: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        vocab_size: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_dtype = kv_dtype
+        self.requests = RequestStates(block_size, max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.sampler_state = SamplerState(vocab_size, device=device, seed=seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.times = StepTimes()
+
+    # -- KV cache ---------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes across all this rank's attention layers."""
+        shape = self.model.kv_cache_shape(1, self.block_size)
+        per_layer = 1
+        for d in shape:
+            per_layer *= d
+        return (
+            per_layer
+            * self.model.num_attention_layers
+            * torch.empty((), dtype=self.kv_dtype).element_size()
+        )
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's cache: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(self.model.num_attention_layers)
+        ]
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %d layers, %.1f MiB",
+            num_blocks,
+            self.block_size,
+            len(self.kv_caches),
+            num_blocks * self.kv_bytes_per_block() / 2**20,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy block src to dst in every layer (before the forward)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        added = self.requests.update(out)
+        state = self.sampler_state
+        for rid in out.finished_req_ids:
+            state.remove(rid)
+        for rid in added:
+            if rid not in state:  # a preempted request keeps its sampler state
+                req = self.requests.states[rid]
+                state.add_request(
+                    rid,
+                    req.sampling_params,
+                    req.token_ids[: req.num_prompt_tokens],
+                    req.eos_token_id,
+                    output_token_ids=req.token_ids[req.num_prompt_tokens :],
+                )
+        self.copy_blocks(out.blocks_to_copy)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(sampled_token_ids={})
+
+        inputs = self.requests.prepare(out)
+        dev = self.device
+        n = inputs.num_tokens
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
+        positions = torch.from_numpy(inputs.positions).to(dev)
+        qsl_cpu = torch.from_numpy(inputs.query_start_loc)
+        seq_cpu = torch.from_numpy(inputs.seq_lens)
+        meta = AttentionMetadata(
+            num_reqs=len(inputs.req_ids),
+            num_actual_tokens=n,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            query_start_loc=qsl_cpu.to(dev),
+            seq_lens=seq_cpu.to(dev),
+            block_tables=torch.from_numpy(inputs.block_table).to(dev),
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+        )
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [n, hidden]
+        t2 = time.perf_counter()
+        sampled: dict[str, list[int]] = {rid: [] for rid in inputs.req_ids}
+        logprobs_out: dict[str, list[Logprobs]] | None = None
+        if inputs.sampling_req_ids:
+            idx = torch.from_numpy(inputs.logits_indices).to(dev)
+            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab] fp32
+            t3 = time.perf_counter()
+            meta_s = state.build(inputs.sampling_req_ids)
+            result = self.sampler(logits, meta_s)
+            tokens = result.sampled_token_ids.tolist()
+            state.append_sampled(inputs.sampling_req_ids, tokens)
+            for rid, tok, lp in zip(inputs.sampling_req_ids, tokens, result.logprobs, strict=True):
+                sampled[rid] = [tok]
+                if lp is not None:
+                    if logprobs_out is None:
+                        logprobs_out = {}
+                    logprobs_out[rid] = [Logprobs(lp.logprob, list(lp.top), lp.rank)]
+            t4 = time.perf_counter()
+        else:
+            t3 = t4 = t2
+        times = self.times
+        times.prepare += t1 - t0
+        times.forward += t2 - t1
+        times.logits += t3 - t2
+        times.sample += t4 - t3
+        times.steps += 1
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out)

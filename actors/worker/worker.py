@@ -1,0 +1,173 @@
+"""A worker: one device (one tensor-parallel rank), its model share and KV cache.
+
+The executor calls these methods on every worker, in the same order, through
+`collective_rpc`; the Ray actor of the cluster issue is a thin shell around the
+same class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.worker.loader import load_model
+from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker of an engine needs to know (picklable)."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_cache_dtype: str = "auto"
+    attn_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    """torch intra-op threads per worker (None: torch's default)."""
+    gpu_memory_utilization: float = 0.9
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine core needs from the model to size its pool."""
+
+    num_attention_layers: int
+    num_kv_heads: int  # per rank
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    kv_dtype_bytes: int
+    kv_bytes_per_block: int  # this rank, all layers
+    eos_token_id: int | None
+    model_dir: str
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, rank: int = 0, dist_init_method: str | None = None):
+        self.config = config
+        self.rank = rank
+        self.dist_init_method = dist_init_method
+        self.runner: ModelRunner | None = None
+        self.info: ModelInfo | None = None
+
+    def init_device(self) -> None:
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        device = torch.device(cfg.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(self.rank if device.index is None else device.index)
+        if cfg.tensor_parallel_size > 1 and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method=self.dist_init_method,
+                rank=self.rank,
+                world_size=cfg.tensor_parallel_size,
+            )
+
+    @property
+    def device(self) -> torch.device:
+        device = torch.device(self.config.device)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", self.rank)
+        return device
+
+    def load_model(self) -> ModelInfo:
+        cfg = self.config
+        tp = cfg.tensor_parallel_size
+        loaded = load_model(
+            cfg.model,
+            dtype=cfg.dtype,
+            device=self.device,
+            tp_rank=self.rank,
+            tp_size=tp,
+            attn_backend=cfg.attn_backend,
+        )
+        model = loaded.model
+        hf = loaded.config
+        param_dtype = next(model.parameters()).dtype
+        kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, param_dtype)
+        self.runner = ModelRunner(
+            model,
+            block_size=cfg.block_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            device=self.device,
+            kv_dtype=kv_dtype,
+            vocab_size=hf.vocab_size,
+            seed=cfg.seed,
+        )
+        eos = getattr(hf, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        self.info = ModelInfo(
+            num_attention_layers=model.num_attention_layers,
+            num_kv_heads=model.num_kv_heads_per_rank,
+            head_dim=model.head_dim,
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096)),
+            kv_dtype_bytes=torch.empty((), dtype=kv_dtype).element_size(),
+            kv_bytes_per_block=self.runner.kv_bytes_per_block(),
+            eos_token_id=eos,
+            model_dir=str(loaded.path),
+        )
+        return self.info
+
+    def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> int:
+        """Blocks that fit the KV budget: `kv_cache_bytes` if given; else on
+        CUDA, gpu_memory_utilization of the device minus what is in use; on
+        CPU, 2 GiB."""
+        assert self.info is not None, "load_model first"
+        budget = kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                budget = int(total * self.config.gpu_memory_utilization) - used
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        return max(0, budget // self.info.kv_bytes_per_block)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None, "load_model first"
+        self.runner.initialize_cache(num_blocks)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "load_model first"
+        return self.runner.execute_model(out)
+
+    def step_times(self) -> dict[str, float]:
+        assert self.runner is not None
+        t = self.runner.times
+        return {
+            "prepare_s": t.prepare,
+            "forward_s": t.forward,
+            "logits_s": t.logits,
+            "sample_s": t.sample,
+            "steps": t.steps,
+        }
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
