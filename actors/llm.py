@@ -12,16 +12,11 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
 from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
 from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
-from spur.actors.worker.executors import make_executor
-from spur.actors.worker.worker import ModelInfo, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +26,7 @@ Prompt = str | list[int]
 class LLM:
     """A whole engine in one process. Not thread-safe.
 
-    Args:
+    Keyword arguments are those of `spur.actors.builder.EngineArgs`:
         model: Hugging Face folder, .gguf file, or "SmolLM2-135M-Instruct".
         dtype: float32 | bfloat16 | float16 | auto.
         tensor_parallel_size: worker processes (gloo on CPU, NCCL on CUDA).
@@ -41,76 +36,13 @@ class LLM:
             what one request can hold in the pool.
     """
 
-    def __init__(
-        self,
-        model: str = "SmolLM2-135M-Instruct",
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        tensor_parallel_size: int = 1,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        kv_cache_dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        long_prefill_token_threshold: int = 0,
-        enable_prefix_caching: bool = True,
-        policy: str = "fcfs",
-        attn_backend: str = "auto",
-        seed: int = 0,
-        num_threads: int | None = None,
-    ) -> None:
-        self.worker_config = WorkerConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            tensor_parallel_size=tensor_parallel_size,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_dtype=kv_cache_dtype,
-            attn_backend=attn_backend,
-            seed=seed,
-            num_threads=num_threads,
-        )
-        self.executor = make_executor(self.worker_config)
-        try:
-            infos: list[ModelInfo] = self.executor.collective_rpc("load_model")
-            self.info = info = infos[0]
-            if num_kv_blocks is None:
-                num_kv_blocks = min(
-                    self.executor.collective_rpc("determine_num_blocks", (kv_cache_bytes,))
-                )
-            if num_kv_blocks < 2:
-                raise ValueError(
-                    f"the KV budget holds {num_kv_blocks} blocks: give kv_cache_bytes more memory"
-                )
-            self.executor.collective_rpc("initialize_cache", (num_kv_blocks,))
-            spec = FullAttentionSpec(info.num_kv_heads, info.head_dim, info.kv_dtype_bytes)
-            kv_config = KVCacheConfig(
-                block_size=block_size,
-                num_blocks=num_kv_blocks,
-                groups=(KVCacheGroup(spec, info.num_attention_layers),),
-                enable_prefix_caching=enable_prefix_caching,
-            )
-            fits = (num_kv_blocks - 1) * block_size
-            if max_model_len is None:
-                max_model_len = min(info.max_position_embeddings, fits)
-            self.scheduler = Scheduler(
-                SchedulerConfig(
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    max_num_seqs=max_num_seqs,
-                    max_model_len=max_model_len,
-                    long_prefill_token_threshold=long_prefill_token_threshold,
-                    policy=policy,
-                ),
-                kv_config,
-            )
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.engine = EngineCore(self.scheduler, self.executor)
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
+        self.args = EngineArgs(model=model, **kwargs)
+        built = build_engine(self.args)
+        self.engine = built.core
+        self.scheduler = built.scheduler
+        self.executor = built.executor
+        self.info = built.info
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self.last_run_stats: dict[str, Any] = {}
@@ -120,15 +52,7 @@ class LLM:
     def tokenizer(self) -> Any:
         """The model folder's tokenizer, or None when it has none (token ids only)."""
         if self._tokenizer is None:
-            from pathlib import Path
-
-            from transformers import AutoTokenizer
-
-            folder = Path(self.info.model_dir)
-            if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-                self._tokenizer = False
-            else:
-                self._tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._tokenizer = load_tokenizer(self.info.model_dir) or False
         return self._tokenizer or None
 
     def encode(self, prompt: Prompt) -> list[int]:

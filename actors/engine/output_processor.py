@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spur.actors.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from spur.actors.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprobs,
+    RequestOutput,
+)
 from spur.actors.engine.sampling_params import SamplingParams
 
 
@@ -26,6 +31,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    logprobs: list[Logprobs] | None = None
 
 
 @dataclass
@@ -89,6 +95,8 @@ class OutputProcessor:
             tracked = self.requests.get(rid)
             if tracked is None:
                 continue
+            if eo.num_cached_tokens > tracked.output.num_cached_tokens:
+                tracked.output.num_cached_tokens = eo.num_cached_tokens
             comp = tracked.output.outputs[eo.index]
             if comp.finished:
                 continue  # already ended by a stop string
@@ -110,7 +118,15 @@ class OutputProcessor:
             comp.finish_reason = finish_reason
             comp.stop_reason = stop_reason
             update.deltas.append(
-                Delta(rid, eo.index, text, list(eo.new_token_ids), finish_reason, stop_reason)
+                Delta(
+                    rid,
+                    eo.index,
+                    text,
+                    list(eo.new_token_ids),
+                    finish_reason,
+                    stop_reason,
+                    eo.new_logprobs,
+                )
             )
             if tracked.output.finished:
                 update.finished.append(tracked.output)

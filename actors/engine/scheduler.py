@@ -132,15 +132,21 @@ class Scheduler:
             request_id, prompt_token_ids, sampling_params, block_hasher=self.kv.hasher, **kwargs
         )
 
+    def validate_prompt(self, num_prompt_tokens: int) -> None:
+        """Raise RequestRejected if a prompt of this length can never run.
+        Reads only immutable config: safe from any thread."""
+        max_len = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty: send at least one token")
+        if num_prompt_tokens >= max_len:
+            raise RequestRejected(
+                f"prompt has {num_prompt_tokens:,} tokens, max_model_len is {max_len:,} (prompt "
+                "plus at least one generated token): shorten the prompt or raise max_model_len"
+            )
+
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises RequestRejected if it can never run."""
-        n_prompt = request.num_prompt_tokens
-        max_len = self.config.max_model_len
-        if n_prompt >= max_len:
-            raise RequestRejected(
-                f"prompt has {n_prompt:,} tokens, max_model_len is {max_len:,} (prompt plus at "
-                "least one generated token): shorten the prompt or raise max_model_len"
-            )
+        self.validate_prompt(request.num_prompt_tokens)
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if request.block_hashes == [] and request.num_tokens >= self.block_size:

@@ -1,0 +1,147 @@
+"""Build an engine (executor + workers + scheduler) from one flat set of args.
+
+Shared by the offline `LLM` and the cluster's engine replica, so that both size
+the KV pool and the scheduler the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from spur.actors.engine.core import EngineCore
+from spur.actors.engine.executor import Executor
+from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
+from spur.actors.engine.hashing import DEFAULT_HASH_SEED
+from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.worker.executors import make_executor
+from spur.actors.worker.worker import ModelInfo, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes one engine. See `LLM` for the meaning of each."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    dtype: str = "float32"
+    device: str = "cpu"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    hash_seed: str = DEFAULT_HASH_SEED
+    policy: str = "fcfs"
+    attn_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
+            block_size=self.block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_dtype=self.kv_cache_dtype,
+            attn_backend=self.attn_backend,
+            seed=self.seed,
+            num_threads=self.num_threads,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Engine:
+    core: EngineCore
+    scheduler: Scheduler
+    executor: Executor
+    info: ModelInfo
+    args: EngineArgs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def build_engine(
+    args: EngineArgs,
+    *,
+    executor_factory: Callable[[WorkerConfig], Executor] = make_executor,
+    enable_kv_events: bool = False,
+) -> Engine:
+    """Start the workers, load the model, size and allocate the KV pool, and
+    build the scheduler. Raises ValueError (naming the fix) for a pool that
+    cannot hold one request; the workers are shut down on any failure."""
+    executor = executor_factory(args.worker_config())
+    try:
+        info: ModelInfo = executor.collective_rpc("load_model")[0]
+        num_blocks = args.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = min(
+                executor.collective_rpc("determine_num_blocks", (args.kv_cache_bytes,))
+            )
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV budget holds {num_blocks} blocks of {info.kv_bytes_per_block:,} bytes: "
+                "give kv_cache_bytes more memory or lower block_size"
+            )
+        executor.collective_rpc("initialize_cache", (num_blocks,))
+        spec = FullAttentionSpec(info.num_kv_heads, info.head_dim, info.kv_dtype_bytes)
+        kv_config = KVCacheConfig(
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            groups=(KVCacheGroup(spec, info.num_attention_layers),),
+            enable_prefix_caching=args.enable_prefix_caching,
+            hash_seed=args.hash_seed,
+        )
+        max_model_len = args.max_model_len
+        if max_model_len is None:
+            max_model_len = min(info.max_position_embeddings, (num_blocks - 1) * args.block_size)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=max_model_len,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                policy=args.policy,
+            ),
+            kv_config,
+            enable_kv_events=enable_kv_events,
+        )
+    except BaseException:
+        executor.shutdown()
+        raise
+    logger.info(
+        "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+        Path(info.model_dir).name,
+        num_blocks,
+        args.block_size,
+        max_model_len,
+    )
+    return Engine(EngineCore(scheduler, executor), scheduler, executor, info, args)
+
+
+def load_tokenizer(model_dir: str) -> Any | None:
+    """The folder's Hugging Face tokenizer, or None when it has none."""
+    folder = Path(model_dir)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,238 @@
+"""An EngineCore driven by its own thread, for asyncio callers (the Serve replica).
+
+    asyncio tasks ──add/abort──> inbox (thread-safe) ──> engine thread
+                                                          step(): schedule -> execute -> update
+    asyncio queues <──call_soon_threadsafe── deltas ─────┘
+
+Only the engine thread touches the core (it is not thread-safe); callers talk to
+it through the inbox and read per-request asyncio queues. The model forward runs
+on the engine thread, so the event loop stays free to accept requests and
+stream tokens while a step runs. A generator that is closed early (the client
+went away) aborts its request: its blocks return to the pool within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from spur.actors.engine.core import EngineCore
+from spur.actors.engine.output_processor import Delta, OutputProcessor
+from spur.actors.engine.outputs import RequestOutput
+from spur.actors.engine.request import RequestStatus
+from spur.actors.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the replica must be restarted."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+    cache_salt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Thread-owning wrapper of an EngineCore. Create it inside a running event
+    loop; `shutdown()` stops the thread (requests in flight are aborted)."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Any | None,
+        *,
+        eos_token_id: int | None,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.core = core
+        self.scheduler = core.scheduler
+        self.processor = OutputProcessor(tokenizer)
+        self.eos_token_id = eos_token_id
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.num_steps = 0
+        self.last_stats: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="spur-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) -------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raise RequestRejected (naming the fix) for a prompt the engine can
+        never serve. Safe from any thread: it reads only immutable config."""
+        self.scheduler.validate_prompt(len(prompt_token_ids))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[Delta | RequestOutput]:
+        """Stream a request's deltas, then its final RequestOutput. Raises
+        RequestRejected before anything runs, EngineDeadError if the engine
+        fails mid-way. Closing the generator early aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+        self.validate(prompt_token_ids)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt))
+        done = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                if isinstance(item, RequestOutput):
+                    done = True
+                    yield item
+                    return
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # -- engine thread ------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: Delta | RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _send(self, request_id: str, item: Delta | RequestOutput | Exception) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        sched = self.scheduler
+        if isinstance(cmd, _Abort):
+            if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
+                sched.abort_requests(cmd.request_id)
+                self.processor.abort(cmd.request_id)
+            return
+        try:
+            request = sched.make_request(
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                eos_token_id=self.eos_token_id,
+                priority=cmd.priority,
+                cache_salt=cmd.cache_salt,
+            )
+            sched.add_request(request)
+        except ValueError as exc:
+            self._send(cmd.request_id, exc)
+            return
+        self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.core.has_unfinished_requests():
+                    cmds = self._drain()
+                else:  # idle: block until work arrives
+                    try:
+                        cmds = [self._inbox.get(timeout=self.idle_wait_s), *self._drain()]
+                    except queue.Empty:
+                        continue
+                for cmd in cmds:
+                    if cmd is None:  # the stop signal
+                        return
+                    self._apply(cmd)
+                if self.core.has_unfinished_requests():
+                    self._step()
+        except Exception:  # the engine is unusable: fail every stream loudly
+            self.error = traceback.format_exc()
+            logger.error("engine thread failed:\n%s", self.error)
+            for rid in list(self._streams):
+                self._send(
+                    rid, EngineDeadError(f"the engine failed: {self.error.splitlines()[-1]}")
+                )
+        finally:
+            for rid in list(self.scheduler.requests):
+                self.scheduler.abort_requests(rid)
+
+    def _drain(self) -> list[_Add | _Abort | None]:
+        cmds: list[_Add | _Abort | None] = []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outputs, stats = self.core.step()
+        self.num_steps += 1
+        update = self.processor.process(outputs)
+        if update.to_finish:
+            self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
+        for delta in update.deltas:
+            self._send(delta.request_id, delta)
+        for final in update.finished:
+            self._send(final.request_id, final)
+        self.last_stats = {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage,
+            "num_free_blocks": stats.num_free_blocks,
+            "total_preemptions": stats.total_preemptions,
+            "kv_leak_violations": stats.kv_leak_violations,
+            "step_seconds": time.perf_counter() - t0,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot (read from another thread: values may be one step old)."""
+        kv = self.scheduler.kv
+        return {
+            **self.last_stats,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_blocks": kv.pool.num_blocks,
+            "prefix_queries_total": kv.prefix_stats.total_queries,
+            "prefix_hits_total": kv.prefix_stats.total_hits,
+            "num_steps": self.num_steps,
+            "alive": self.alive,
+        }

@@ -1,0 +1,106 @@
+"""AsyncEngine: the core on its own thread, asyncio callers, aborts on close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
+from spur.actors.engine.output_processor import Delta
+from spur.actors.engine.outputs import RequestOutput
+from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.scheduler import RequestRejected
+
+from .helpers import make_engine, prompts
+
+
+async def collect(engine: AsyncEngine, rid: str, tokens: list[int], **params) -> RequestOutput:
+    deltas = []
+    final = None
+    async for item in engine.generate(rid, tokens, SamplingParams(**params)):
+        if isinstance(item, Delta):
+            deltas.append(item)
+        else:
+            final = item
+    assert final is not None
+    streamed = [t for d in deltas if d.index == 0 for t in d.token_ids]
+    assert streamed == final.outputs[0].token_ids
+    return final
+
+
+def test_concurrent_requests_stream_to_the_end_and_free_everything():
+    async def main():
+        core, sched, _ = make_engine(block_size=4, num_blocks=64, budget=24)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        ps = prompts(6, 18, shared=8)
+        finals = await asyncio.gather(
+            *(collect(engine, f"r{i}", p, max_tokens=10, ignore_eos=True) for i, p in enumerate(ps))
+        )
+        await engine.shutdown()
+        return finals, sched
+
+    finals, sched = asyncio.run(main())
+    assert all(len(f.outputs[0].token_ids) == 10 for f in finals)
+    assert all(f.outputs[0].finish_reason == "length" for f in finals)
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == 63
+
+
+def test_closing_a_stream_aborts_the_request_and_returns_its_blocks():
+    async def main():
+        core, sched, _ = make_engine(block_size=4, num_blocks=64, budget=24)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        gen = engine.generate(
+            "long", list(range(20)), SamplingParams(max_tokens=200, ignore_eos=True)
+        )
+        got = 0
+        async for item in gen:
+            got += isinstance(item, Delta)
+            if got == 3:
+                break
+        await gen.aclose()  # what a client disconnect does
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not sched.requests:
+                break
+        held_after = sched.kv.num_free_blocks
+        await engine.shutdown()
+        return held_after, sched
+
+    free, sched = asyncio.run(main())
+    assert free == 63
+    sched.check_integrity()
+
+
+def test_bad_prompt_is_rejected_before_it_runs():
+    async def main():
+        core, _, _ = make_engine(block_size=4, num_blocks=20)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        with pytest.raises(RequestRejected, match="max_model_len"):
+            async for _ in engine.generate("x", list(range(500)), SamplingParams()):
+                pass
+        final = await collect(engine, "ok", [1, 2, 3], max_tokens=4, ignore_eos=True)
+        await engine.shutdown()
+        return final
+
+    assert len(asyncio.run(main()).outputs[0].token_ids) == 4
+
+
+def test_a_failing_executor_fails_streams_loudly():
+    async def main():
+        core, _, fake = make_engine(block_size=4)
+
+        def boom(_out):
+            raise RuntimeError("device lost")
+
+        fake.execute_model = boom
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await collect(engine, "a", [1, 2, 3], max_tokens=4)
+        assert not engine.alive
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "b", [1, 2, 3], max_tokens=4)
+        await engine.shutdown()
+
+    asyncio.run(main())
