@@ -1,5 +1,7 @@
 """`spur`: the command line. The only module that prints.
 
+    spur serve [CONFIG] [--address RAY_ADDRESS] [--host HOST] [--port PORT]
+    spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
     spur bench core|engine [--json]
@@ -17,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-COMMANDS = ("generate", "capacity", "bench")
+COMMANDS = ("serve", "config", "generate", "capacity", "bench")
 BENCHES = ("core", "engine")
 
 
@@ -41,6 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    srv = sub.add_parser(
+        "serve", help="serve the OpenAI-compatible API (default: configs/local.yaml)"
+    )
+    srv.add_argument("config", nargs="?", default="local", help="config file or preset name")
+    srv.add_argument("--address", help="join this Ray cluster instead of starting one")
+    srv.add_argument("--host", help="override server.host")
+    srv.add_argument("--port", type=_positive, help="override server.port")
+
+    cfg = sub.add_parser("config", help="show a resolved config or diff it against a live one")
+    cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
+    show = cfg_sub.add_parser("show", help="print the config with every default filled in")
+    show.add_argument("config", help="config file or preset name")
+    diff = cfg_sub.add_parser("diff", help="where a file and a running deployment differ")
+    diff.add_argument("config", help="config file or preset name")
+    diff.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
 
     gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal")
     gen.add_argument("--model", default="SmolLM2-135M-Instruct", help="folder, .gguf or demo name")
@@ -96,6 +114,64 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
     engine.add_argument("--json", action="store_true")
     return parser
+
+
+def _load(path: str) -> Any:
+    from spur.configs.loader import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from spur.configs.loader import ConfigError, apply_overrides, to_yaml
+
+    cfg = _load(args.config)
+    overrides: dict[str, Any] = {}
+    if args.address:
+        overrides["server.ray_address"] = args.address
+    if args.host:
+        overrides["server.host"] = args.host
+    if args.port:
+        overrides["server.port"] = args.port
+    try:
+        cfg = apply_overrides(cfg, overrides) if overrides else cfg
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    from spur.cluster.server import run_server
+
+    print("effective configuration:")
+    print(to_yaml(cfg))
+    return run_server(cfg, announce=lambda url: print(f"spur is serving at {url}/v1", flush=True))
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from spur.configs.loader import diff, show
+
+    if args.config_command == "show":
+        _load(args.config)
+        print(show(args.config))
+        return 0
+    if args.config_command == "diff":
+        import urllib.error
+        import urllib.request
+
+        cfg = _load(args.config)
+        url = args.url.rstrip("/") + "/admin/config"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                live = json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise UsageError(f"cannot read the live config at {url}: {e}") from None
+        lines = diff(cfg, live)
+        for line in lines:
+            print(line)
+        if not lines:
+            print("no differences")
+        return 1 if lines else 0
+    raise UsageError("choose an action: show, diff")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -247,6 +323,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": cmd_serve,
+    "config": cmd_config,
     "generate": cmd_generate,
     "capacity": cmd_capacity,
     "bench": cmd_bench,

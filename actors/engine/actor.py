@@ -95,6 +95,7 @@ class EngineReplica:
             "pid": self.pid,
             "node": self.node,
             "max_model_len": self.built.scheduler.config.max_model_len,
+            "model_dir": self.built.info.model_dir,
             **engine.stats(),
         }
 
