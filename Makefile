@@ -27,7 +27,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	$(BIN)/python -m pytest -q tests/test_typecheck.py
 
 bench-core: $(STAMP)
 	$(BIN)/spur bench core --json

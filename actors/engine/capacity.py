@@ -169,6 +169,13 @@ def _normalise_kind(t: str) -> str:
         ) from None
 
 
+def _first(cfg: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if cfg.get(key):
+            return cfg[key]
+    raise ValueError(f"config.json has none of {list(keys)}: cannot size the state layers")
+
+
 def _state_bytes(cfg: dict[str, Any], kind: str, elem: int) -> int:
     """Bytes of one state layer (conv state + recurrent state)."""
     if kind == "linear_attention":  # Gated DeltaNet (Qwen3-Next / Qwen3.5)
@@ -179,9 +186,9 @@ def _state_bytes(cfg: dict[str, Any], kind: str, elem: int) -> int:
         return (conv_dim * (kernel - 1) + nv * dk * dv) * elem
     if kind == "mamba":  # Mamba2
         hidden = int(cfg["hidden_size"])
-        n_heads = int(cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads"))
-        head_dim = int(cfg.get("mamba_head_dim") or cfg.get("mamba_d_head"))
-        d_state = int(cfg.get("ssm_state_size") or cfg.get("mamba_d_state"))
+        n_heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads"))
+        head_dim = int(_first(cfg, "mamba_head_dim", "mamba_d_head"))
+        d_state = int(_first(cfg, "ssm_state_size", "mamba_d_state"))
         n_groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 1)
         kernel = int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4)
         intermediate = int(cfg.get("mamba_intermediate_size") or n_heads * head_dim or 2 * hidden)

@@ -29,6 +29,7 @@ from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
 from spur.actors.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -466,7 +467,9 @@ class Scheduler:
             self._finished_ids.add(rid)
 
     @staticmethod
-    def _output(req: Request, tokens: list[int], logprobs: list | None = None) -> EngineCoreOutput:  # type: ignore[type-arg]
+    def _output(
+        req: Request, tokens: list[int], logprobs: list[Logprobs] | None = None
+    ) -> EngineCoreOutput:
         return EngineCoreOutput(
             req_id=req.request_id,
             new_token_ids=tokens,
