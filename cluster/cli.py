@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench")
-BENCHES = ("core", "engine")
+BENCHES = ("core", "engine", "serve")
 
 
 class UsageError(Exception):
@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--requests", type=_positive, default=2000)
     core.add_argument("--seed", type=int, default=0)
     core.add_argument("--json", action="store_true")
+    serve_b = bench_sub.add_parser("serve", help="HTTP path vs the offline engine, same workload")
+    serve_b.add_argument("--url", required=True, help="a running spur server")
+    serve_b.add_argument("--model", default=None, help="model name (default: the first lane)")
+    serve_b.add_argument("--concurrency", default="1,8,32")
+    serve_b.add_argument("--requests", type=_positive, default=None, help="per level")
+    serve_b.add_argument("--seed", type=int, default=0)
+    serve_b.add_argument("--json", action="store_true")
     engine = bench_sub.add_parser("engine", help="offline engine vs transformers static batches")
     engine.add_argument("--requests", type=_positive, default=64)
     engine.add_argument("--seed", type=int, default=0)
@@ -302,6 +309,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
+    elif args.bench == "serve":
+        from spur.cluster.bench import serve
+
+        try:
+            result = serve.run(
+                url=args.url,
+                model=args.model,
+                concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
+                seed=args.seed,
+                requests_per_level=args.requests,
+            )
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot benchmark {args.url}: {e}") from None
     elif args.bench == "engine":
         from spur.cluster.bench import engine
 

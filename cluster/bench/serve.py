@@ -1,0 +1,199 @@
+"""`spur bench serve --json --url URL`: the HTTP path against the offline engine.
+
+A seeded workload (text prompts of 32 to 256 tokens, 32 to 128 output tokens,
+greedy, ignore_eos) is sent to a running server's /v1/completions at
+concurrency 1, 8 and 32 (streaming, so time to first token and inter-token
+latency are measured per request). Then, in this process, the same prompts go
+through the offline engine (`LLM`, built from the server's own lane config,
+max_num_seqs = the concurrency) so the cost of the Serve path is a ratio:
+serve tokens/s over offline tokens/s at the same concurrency. Run the server
+and this bench on the same machine, one after the other (never both busy), so
+both arms get the same cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import time
+import urllib.request
+from typing import Any
+
+TEXT = (
+    "the river starts high in the mountains where snow melts each spring and runs down "
+    "through pine forests into a narrow valley farmers built small stone channels to "
+    "water their fields and every village keeps a record of who may open the gates "
+    "cities grew on its banks because boats could carry grain and cloth to the sea"
+)
+WORDS = TEXT.split()
+
+
+def make_workload(n: int, seed: int) -> list[tuple[str, int]]:
+    """n (prompt text, max_tokens) pairs; about 1.3 tokens per word."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = rng.randint(25, 200)
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        out.append((text, rng.randint(32, 128)))
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return round(values[k] * 1000, 2)
+
+
+async def _one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = None
+    stamps: list[float] = []
+    tokens = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return {"error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"error": chunk["error"]["message"]}
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    if first is None:
+                        first = now
+                    stamps.append(now)
+    except Exception as exc:  # counted, not raised: the bench reports errors
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    end = time.perf_counter()
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
+    return {"ttft": (first or end) - start, "itl": itl, "tokens": tokens, "latency": end - start}
+
+
+async def _http_level(
+    url: str, model: str, work: list[tuple[str, int]], concurrency: int
+) -> dict[str, Any]:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def run(p: str, m: int) -> dict[str, Any]:
+            async with sem:
+                return await _one(client, url, model, p, m)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(run(p, m) for p, m in work))
+        elapsed = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    itl = [x for r in ok for x in r["itl"]]
+    return {
+        "concurrency": concurrency,
+        "requests": len(work),
+        "errors": len(results) - len(ok),
+        "error_samples": [r["error"] for r in results if "error" in r][:3],
+        "generated_tokens": tokens,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 2) if elapsed else None,
+        "ttft_ms_p50": _pct([r["ttft"] for r in ok], 50),
+        "ttft_ms_p99": _pct([r["ttft"] for r in ok], 99),
+        "itl_ms_p50": _pct(itl, 50),
+        "itl_ms_p99": _pct(itl, 99),
+    }
+
+
+def _offline_level(
+    engine_args: dict[str, Any], work: list[tuple[str, int]], concurrency: int
+) -> dict[str, Any]:
+    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.llm import LLM
+
+    args = {**engine_args, "max_num_seqs": concurrency}
+    model = args.pop("model")
+    llm = LLM(model, **args)
+    try:
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in work]
+        llm.generate(work[0][0], params[0])  # warm-up, not timed
+        start = time.perf_counter()
+        outs = llm.generate([p for p, _ in work], params)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "concurrency": concurrency,
+        "generated_tokens": tokens,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 2),
+    }
+
+
+def _live_lane(url: str, model: str | None) -> tuple[str, dict[str, Any]]:
+    with urllib.request.urlopen(f"{url}/admin/config", timeout=10) as resp:
+        config = json.loads(resp.read())
+    from spur.cluster.app import engine_args
+    from spur.configs.loader import parse_config
+
+    cfg = parse_config(config, source=f"{url}/admin/config")
+    lane = cfg.lane_for_model(model) if model else cfg.lanes[0]
+    if lane is None:
+        raise ValueError(f"no lane serves model {model!r}: use one of {cfg.model_names}")
+    return lane.served_model_names[0], engine_args(lane.engine)
+
+
+def run(
+    *,
+    url: str,
+    model: str | None = None,
+    concurrencies: tuple[int, ...] = (1, 8, 32),
+    seed: int = 0,
+    requests_per_level: int | None = None,
+) -> dict[str, Any]:
+    url = url.rstrip("/")
+    served, args = _live_lane(url, model)
+    levels = []
+    for c in concurrencies:
+        n = requests_per_level or max(8, 2 * c)
+        work = make_workload(n, seed + c)
+        http = asyncio.run(_http_level(url, served, work, c))
+        offline = _offline_level(args, work, c)
+        ratio = None
+        if http["tokens_per_s"] and offline["tokens_per_s"]:
+            ratio = round(http["tokens_per_s"] / offline["tokens_per_s"], 3)
+        levels.append({"serve": http, "offline": offline, "serve_over_offline": ratio})
+    result = {
+        "bench": "serve",
+        "url": url,
+        "model": served,
+        "seed": seed,
+        "levels": levels,
+    }
+    at32 = [lv["serve_over_offline"] for lv in levels if lv["serve"]["concurrency"] == 32]
+    if at32:
+        result["goal_serve_over_offline_at_32"] = 0.9
+        result["met"] = bool(at32[0] is not None and at32[0] >= 0.9)
+    result["median_ratio"] = statistics.median(
+        [lv["serve_over_offline"] for lv in levels if lv["serve_over_offline"] is not None] or [0]
+    )
+    return result
