@@ -131,3 +131,46 @@ def test_tensor_parallel_2_equals_1(tiny_model_dir):
         finally:
             llm.shutdown()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "fp8"])
+def test_kv_cache_dtypes(tiny_model_dir, kv_dtype):
+    """Lower-precision KV caches run end to end; greedy output mostly agrees
+    with the fp32 cache (not exactly: the KV values are rounded)."""
+    prompts = make_prompts(6, seed=3)
+    outs = {}
+    for dtype in ("float32", kv_dtype):
+        llm = LLM(str(tiny_model_dir("llama")), kv_cache_dtype=dtype, block_size=4)
+        try:
+            assert (
+                llm.executor.worker.runner.kv_caches[0].dtype
+                == {
+                    "float32": torch.float32,
+                    "bfloat16": torch.bfloat16,
+                    "float16": torch.float16,
+                    "fp8": torch.uint8,  # e4m3 bits behind a uint8 view on CPU
+                }[dtype]
+            )
+            outs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        finally:
+            llm.shutdown()
+    same_first = sum(a[0] == b[0] for a, b in zip(outs["float32"], outs[kv_dtype], strict=True))
+    assert all(len(o) == 16 for o in outs[kv_dtype])
+    assert same_first >= (3 if kv_dtype == "fp8" else 5), (same_first, outs)
+
+
+def test_logprobs_are_the_models_top_n(tiny_model_dir, hf_logits):
+    prompt = make_prompts(1, seed=8)[0]
+    llm = LLM(str(tiny_model_dir("llama")))
+    try:
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    finally:
+        llm.shutdown()
+    comp = out.outputs[0]
+    assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids) == 4
+    ref = torch.log_softmax(hf_logits("llama", prompt + comp.token_ids), dim=-1)
+    for i, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+        assert lp.top[0][0] == tok  # greedy picks the top token
+        assert lp.sampled == pytest.approx(row[tok].item(), abs=1e-4)
