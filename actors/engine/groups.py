@@ -146,12 +146,17 @@ class GroupManager:
         length = (len(table) if table else 0) + num_hit
         first_live = self._retire_until(num_computed)
         new = max(0, cdiv(num_tokens, self.block_size) - max(length, first_live))
-        freed = 0
-        if table and first_live > self.retired.get(req_id, 0):
-            for block in table[self.retired.get(req_id, 0) : first_live]:
-                if block is not self.null and block.ref_cnt == 1:
-                    freed += 1
-        return new, freed
+        return new, self._freed_by_retire(req_id, first_live)
+
+    def _freed_by_retire(self, req_id: str, first_live: int) -> int:
+        """Blocks that retiring up to `first_live` would return to the pool
+        (held by this request alone)."""
+        table = self.tables.get(req_id)
+        start = self.retired.get(req_id, 0)
+        if not table or first_live <= start:
+            return 0
+        null = self.null
+        return sum(1 for b in table[start:first_live] if b is not null and b.ref_cnt == 1)
 
     def allocate(
         self, req_id: str, num_computed: int, num_tokens: int, hits: list[KVCacheBlock]
@@ -334,13 +339,7 @@ class StateManager(GroupManager):
         length = (len(table) if table else 0) + num_hit
         last = cdiv(num_tokens, self.block_size) - 1
         new = 1 if last >= length else 0
-        first_live = self._retire_until(num_computed)
-        freed = 0
-        if table and first_live > self.retired.get(req_id, 0):
-            for block in table[self.retired.get(req_id, 0) : first_live]:
-                if block is not self.null and block.ref_cnt == 1:
-                    freed += 1
-        return new, freed
+        return new, self._freed_by_retire(req_id, self._retire_until(num_computed))
 
     def allocate(
         self, req_id: str, num_computed: int, num_tokens: int, hits: list[KVCacheBlock]
