@@ -61,12 +61,15 @@ def _engine_deployment(lane: LaneConfig | SpareConfig) -> Any:
         "num_replicas": getattr(lane, "replicas", 1),
         "max_ongoing_requests": lane.max_ongoing_requests,
         "max_queued_requests": lane.max_queued_requests,
-        "max_replicas_per_node": 1,
         "health_check_period_s": 5.0,
         "graceful_shutdown_timeout_s": 20.0,
     }
     actor: dict[str, Any] = {"resources": dict(lane.resources)}
     if tp == 1:
+        # At most one engine per node. (Serve refuses this option together with
+        # placement-group bundles; a TP>1 replica's STRICT_PACK group of devices
+        # already fills its node's GPUs.)
+        options["max_replicas_per_node"] = 1
         actor.update(num_cpus=1, num_gpus=gpus)
     else:
         worker = {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 0.5}

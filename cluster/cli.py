@@ -231,7 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
     words = [a for a in argv if not a.startswith("-")]
     if words and words[0] in COMMANDS and len(words) > 1 and words[1] == words[0]:
-        raise UsageError(f"'{words[0]}' given twice; usage: {parser.format_usage().strip()}")
+        usage = parser.format_usage().strip().removeprefix("usage: ")
+        raise UsageError(f"'{words[0]}' given twice; usage: {usage}")
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:

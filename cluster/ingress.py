@@ -168,7 +168,9 @@ class Ingress:
         tok = lane.tokenizer
         return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
-    async def _open(self, lane: _Lane, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    async def _open(
+        self, lane: _Lane, payload: dict[str, Any], *, chat: bool = False
+    ) -> tuple[Any, dict[str, Any]]:
         """Start an engine stream and read its first item (so that a
         rejection becomes an HTTP error before any byte is sent)."""
         gen = lane.handle.options(stream=True).generate.remote(payload)
@@ -179,7 +181,13 @@ class Ingress:
         except StopAsyncIteration:
             raise service_unavailable("the engine closed the stream without answering") from None
         if first["type"] == "error":
-            raise ProtocolError(first["status"], first["message"], param=first.get("param"))
+            param = first.get("param")
+            code = None
+            if param == "prompt" and "max_model_len" in first["message"]:
+                code = "context_length_exceeded"
+            if param == "prompt" and chat:
+                param = "messages"
+            raise ProtocolError(first["status"], first["message"], param=param, code=code)
         return gen, first
 
     # -- OpenAI API ---------------------------------------------------------------------
@@ -230,7 +238,7 @@ class Ingress:
                     "priority": int(params.extra.get("priority", 0) or 0),
                     "cache_salt": params.extra.get("cache_salt"),
                 }
-                opened.append(await self._open(lane, payload))
+                opened.append(await self._open(lane, payload, chat=chat))
         except BaseException:
             for gen, _ in opened:
                 gen.cancel()

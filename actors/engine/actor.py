@@ -56,7 +56,10 @@ class EngineReplica:
         # belong to that loop).
         if self.engine is None:
             self.engine = AsyncEngine(
-                self.built.core, self.tokenizer, eos_token_id=self.built.info.eos_token_id
+                self.built.core,
+                self.tokenizer,
+                eos_token_id=self.built.info.eos_token_id,
+                vocab_size=self.built.info.vocab_size,
             )
         return self.engine
 
@@ -107,7 +110,7 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Called by Serve; raising marks the replica unhealthy (restarted)."""
         if self.engine is not None and not self.engine.alive:
-            raise EngineDeadError(self.engine.error or "engine thread stopped")
+            raise EngineDeadError(self.engine.dead_message)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # already gone at interpreter exit

@@ -28,6 +28,7 @@ from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
 from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.scheduler import RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,14 @@ class AsyncEngine:
         tokenizer: Any | None,
         *,
         eos_token_id: int | None,
+        vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
     ) -> None:
         self.core = core
         self.scheduler = core.scheduler
         self.processor = OutputProcessor(tokenizer)
         self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
@@ -81,8 +84,17 @@ class AsyncEngine:
     # -- caller side (event loop) -------------------------------------------------------
     def validate(self, prompt_token_ids: list[int]) -> None:
         """Raise RequestRejected (naming the fix) for a prompt the engine can
-        never serve. Safe from any thread: it reads only immutable config."""
+        never serve: too long, or a token id outside the vocabulary (which
+        would fail the whole step). Safe from any thread: it reads only
+        immutable config."""
         self.scheduler.validate_prompt(len(prompt_token_ids))
+        if self.vocab_size is not None:
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected(
+                    f"token ids {bad[:5]} are outside the vocabulary (0 to "
+                    f"{self.vocab_size - 1}): send ids the model's tokenizer produces"
+                )
 
     async def generate(
         self,
@@ -98,7 +110,7 @@ class AsyncEngine:
         RequestRejected before anything runs, EngineDeadError if the engine
         fails mid-way. Closing the generator early aborts the request."""
         if self.error is not None:
-            raise EngineDeadError(self.error)
+            raise EngineDeadError(self.dead_message)
         self.validate(prompt_token_ids)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -124,6 +136,13 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    @property
+    def dead_message(self) -> str:
+        """What clients are told once the engine failed (no traceback: that
+        stays in the replica's log)."""
+        last = (self.error or "").strip().splitlines()[-1:] or ["unknown error"]
+        return f"the engine failed ({last[0]}); it is being restarted, retry shortly"
 
     @property
     def alive(self) -> bool:
@@ -185,9 +204,7 @@ class AsyncEngine:
             self.error = traceback.format_exc()
             logger.error("engine thread failed:\n%s", self.error)
             for rid in list(self._streams):
-                self._send(
-                    rid, EngineDeadError(f"the engine failed: {self.error.splitlines()[-1]}")
-                )
+                self._send(rid, EngineDeadError(self.dead_message))
         finally:
             for rid in list(self.scheduler.requests):
                 self.scheduler.abort_requests(rid)

@@ -1,0 +1,238 @@
+"""The OpenAI API of a running `spur serve`, through the official `openai` client.
+
+All requests go to lane "tiny" (a random 2-layer Llama with SmolLM2's tokenizer):
+its text is gibberish, but deterministic under greedy decoding or a seed, which
+is what these tests rely on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+IGNORE_EOS = {"ignore_eos": True}  # a random model may sample EOS at any step
+
+
+def tokenize(http: Any, **body: Any) -> dict[str, Any]:
+    r = http.post("/tokenize", json={"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(client: Any, prompt: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_tokens", 12)
+    kwargs.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **kwargs)
+
+
+def chat(client: Any, content: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_tokens", 12)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        extra_body=IGNORE_EOS,
+        **kwargs,
+    )
+
+
+# -- plain endpoints -----------------------------------------------------------------------
+def test_models_health_version(openai_client: Any, http: Any, spur_server: Any) -> None:
+    served = [m for lane in spur_server.config["lanes"] for m in lane["served_model_names"]]
+    assert [m.id for m in openai_client.models.list().data] == served
+    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/version").json()["version"]
+
+
+def test_tokenize_detokenize_round_trip(http: Any) -> None:
+    out = tokenize(http, prompt="Hello, world!")
+    assert out["count"] == len(out["tokens"]) > 0 and out["max_model_len"] == 2048
+    r = http.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == "Hello, world!"
+
+
+# -- completions and chat, streamed and not --------------------------------------------------
+def test_completion_streamed_equals_non_streamed(openai_client: Any, http: Any) -> None:
+    prompt = "The quick brown fox"
+    full = complete(openai_client, prompt)
+    assert full.object == "text_completion" and full.model == MODEL
+    (choice,) = full.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == tokenize(http, prompt=prompt)["count"]
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+
+    chunks = list(complete(openai_client, prompt, stream=True))
+    assert len(chunks) > 1 and all(c.id == chunks[0].id for c in chunks)
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert text == choice.text
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
+
+
+def test_chat_streamed_equals_non_streamed(openai_client: Any) -> None:
+    full = chat(openai_client, "Tell me something.")
+    assert full.object == "chat.completion"
+    (choice,) = full.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length" and full.usage.completion_tokens == 12
+
+    chunks = list(chat(openai_client, "Tell me something.", stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_2_gives_two_choices(openai_client: Any) -> None:
+    out = complete(openai_client, "Once upon a time", n=2, temperature=1.0, max_tokens=8)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert all(c.finish_reason == "length" and c.text for c in out.choices)
+    assert out.usage.completion_tokens == 16
+
+    out = chat(openai_client, "Hi!", n=2, temperature=1.0, max_tokens=8)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert all(c.message.content for c in out.choices) and out.usage.completion_tokens == 16
+
+    texts = {0: "", 1: ""}
+    finished = {}
+    for chunk in complete(openai_client, "Once upon a time", n=2, temperature=1.0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finished[c.index] = c.finish_reason
+    assert finished == {0: "length", 1: "length"} and all(texts.values())
+
+
+def _stop_string(text: str) -> str:
+    """4 printable ASCII characters from the second half of `text` (so that the
+    stopped output is usually a non-empty prefix)."""
+    for start in range(len(text) // 2, len(text) - 3):
+        window = text[start : start + 4]
+        if window.isascii() and window.isprintable() and window.strip() == window:
+            return window
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_stop_string_ends_the_text_before_it(openai_client: Any, stream: bool) -> None:
+    prompt = "A list of words:"
+    full = complete(openai_client, prompt, max_tokens=24).choices[0].text
+    stop = _stop_string(full)
+    expected = full[: full.index(stop)]
+    if stream:
+        chunks = list(complete(openai_client, prompt, max_tokens=24, stop=[stop], stream=True))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = complete(openai_client, prompt, max_tokens=24, stop=[stop]).choices[0]
+        text, finish = choice.text, choice.finish_reason
+        assert (choice.model_extra or {}).get("stop_reason") == stop
+    assert text == expected and stop not in text
+    assert finish == "stop"
+
+
+def test_seed_reproducible_and_seeds_differ(openai_client: Any) -> None:
+    def sample(seed: int) -> str:
+        out = complete(openai_client, "Random words:", temperature=1.0, seed=seed, max_tokens=10)
+        return out.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    others = [sample(seed) for seed in (1, 2, 3)]
+    assert any(text != first for text in others), (first, others)
+    # chat goes through the same sampler path
+    a = chat(openai_client, "Pick a word.", temperature=1.0, seed=7, max_tokens=10)
+    b = chat(openai_client, "Pick a word.", temperature=1.0, seed=7, max_tokens=10)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+# -- logprobs ------------------------------------------------------------------------------
+def test_completion_logprobs(openai_client: Any) -> None:
+    out = complete(openai_client, "Numbers:", logprobs=2, max_tokens=8)
+    (choice,) = out.choices
+    lp = choice.logprobs
+    n = out.usage.completion_tokens
+    assert n == 8
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and math.isfinite(logprob)
+        # 2 alternatives, plus the sampled token if it is not among them
+        assert 1 <= len(top) <= 3 and token in top
+        # greedy: the sampled token is the most likely one
+        assert math.isclose(logprob, max(top.values()), abs_tol=1e-4)
+        assert all(v <= 0 for v in top.values())
+
+
+def test_chat_logprobs_and_top_logprobs(openai_client: Any) -> None:
+    out = chat(openai_client, "Count.", logprobs=True, top_logprobs=2, max_tokens=8)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 8
+    for item in content:
+        assert item.logprob <= 0 and item.bytes == list(item.token.encode("utf-8"))
+        tops = [t.logprob for t in item.top_logprobs]
+        assert len(tops) == 2 and tops == sorted(tops, reverse=True)
+        assert math.isclose(item.logprob, tops[0], abs_tol=1e-4)  # greedy
+    # logprobs without top_logprobs: the sampled token only
+    out = chat(openai_client, "Count.", logprobs=True, max_tokens=4)
+    assert [len(i.top_logprobs) for i in out.choices[0].logprobs.content] == [0] * 4
+    assert chat(openai_client, "Count.", max_tokens=4).choices[0].logprobs is None
+
+
+# -- usage in streams ----------------------------------------------------------------------
+def test_stream_include_usage(openai_client: Any, http: Any) -> None:
+    messages = [{"role": "user", "content": "How many tokens?"}]
+    chunks = list(
+        openai_client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        )
+    )
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert all(c.usage is None for c in body) and body[-1].choices[0].finish_reason == "length"
+    prompt_tokens = tokenize(http, messages=messages)["count"]
+    assert last.usage.prompt_tokens == prompt_tokens
+    assert last.usage.completion_tokens == 6
+    assert last.usage.total_tokens == prompt_tokens + 6
+
+    chunks = list(
+        complete(
+            openai_client,
+            "Usage:",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    # without include_usage no chunk carries usage
+    chunks = list(complete(openai_client, "Usage:", max_tokens=5, stream=True))
+    assert all(c.usage is None for c in chunks)
+
+
+# -- prefix cache --------------------------------------------------------------------------
+def test_repeated_prompt_is_served_from_the_prefix_cache(openai_client: Any, http: Any) -> None:
+    prompt = "In a land far away, " * 8  # several full 16-token blocks
+    num_prompt = tokenize(http, prompt=prompt)["count"]
+    assert num_prompt >= 32
+    hits_before = http.get("/admin/engines").json()[MODEL]["prefix_hits_total"]
+    first = complete(openai_client, prompt, max_tokens=2)
+    second = complete(openai_client, prompt, max_tokens=2)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < num_prompt and cached % 16 == 0
+    assert http.get("/admin/engines").json()[MODEL]["prefix_hits_total"] > hits_before

@@ -1,0 +1,88 @@
+"""`spur serve` and `spur config` as a user runs them: real subprocesses, real exit
+codes. Only the diff test needs the running server (the session's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+SPUR = [sys.executable, "-m", "spur.cluster.cli"]
+
+
+def spur(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    # Should a misuse ever get as far as starting Ray, it stays in this folder.
+    env.update(RAY_TMPDIR=str(cwd), RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [*SPUR, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
+
+
+def test_serve_given_twice_is_a_usage_error(tmp_path: Path) -> None:
+    res = spur("serve", "serve", cwd=tmp_path)
+    assert res.returncode != 0
+    assert "'serve' given twice; usage:" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_serve_missing_config_names_the_file(tmp_path: Path) -> None:
+    res = spur("serve", "missing.yaml", cwd=tmp_path)
+    assert res.returncode != 0
+    assert "missing.yaml" in res.stderr and "Traceback" not in res.stderr
+    assert "spur is serving" not in res.stdout
+
+
+def test_serve_invalid_config_names_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nlanes:\n  - name: chat\n    engine:\n      cache: {blok_size: 8}\n")
+    res = spur("serve", str(bad), cwd=tmp_path)
+    assert res.returncode != 0
+    assert "lanes[0].engine.cache.blok_size" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_config_show_prints_the_resolved_yaml(tmp_path: Path) -> None:
+    res = spur("config", "show", "local", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    shown = yaml.safe_load(res.stdout)
+    (lane,) = shown["lanes"]
+    assert lane["name"] == "chat" and shown["server"]["port"] == 8000
+    # every default filled in
+    assert lane["engine"]["cache"]["enable_prefix_caching"] is True
+    assert "max_num_seqs" in lane["engine"]["scheduler"] and "router" in shown
+
+
+def test_config_diff_against_the_running_server(spur_server: Any, tmp_path: Path) -> None:
+    res = spur(
+        "config", "diff", str(spur_server.config_path), "--url", spur_server.url, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no differences" in res.stdout
+
+    changed = yaml.safe_load(spur_server.config_path.read_text())
+    changed["lanes"][0]["max_ongoing_requests"] = 31
+    changed["lanes"][0]["engine"]["cache"]["block_size"] = 32
+    stale = tmp_path / "stale.yaml"
+    stale.write_text(yaml.safe_dump(changed))
+    res = spur("config", "diff", str(stale), "--url", spur_server.url, cwd=tmp_path)
+    assert res.returncode != 0
+    lines = res.stdout.splitlines()
+    assert "lanes[0].max_ongoing_requests: file 31, running 32" in lines, res.stdout
+    assert "lanes[0].engine.cache.block_size: file 32, running 16" in lines, res.stdout
+    assert len(lines) == 2, res.stdout
+
+
+def test_serve_printed_the_effective_config_and_the_endpoint(spur_server: Any) -> None:
+    log = spur_server.log_path.read_text(errors="replace")
+    assert "effective configuration:" in log
+    assert f"spur is serving at {spur_server.base_url}\n" in log
+    # the printed YAML has the defaults filled in (e.g. the router, absent from the file)
+    assert "router:" in log and "policy: prefix" in log
