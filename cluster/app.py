@@ -70,7 +70,9 @@ def _engine_deployment(lane: LaneConfig | SpareConfig) -> Any:
         # placement-group bundles; a TP>1 replica's STRICT_PACK group of devices
         # already fills its node's GPUs.)
         options["max_replicas_per_node"] = 1
-        actor.update(num_cpus=1, num_gpus=gpus)
+        # The replica runs the model: reserve as many CPUs as it runs threads
+        # (Ray also sets OMP_NUM_THREADS to this reservation).
+        actor.update(num_cpus=engine.runtime.num_threads or 1, num_gpus=gpus)
     else:
         worker = {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 0.5}
         options["placement_group_bundles"] = [{"CPU": 0.5, **dict(lane.resources)}] + [
@@ -94,6 +96,8 @@ def build_app(config: SpurConfig) -> Application:
         name="ingress",
         num_replicas=1,
         max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": 0.5},
+        # Tokenization and streaming only: no CPU reservation, so that the
+        # engines can take every core of a small machine.
+        ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(engines, config_to_dict(config))

@@ -301,8 +301,9 @@ class RuntimeConfig(_Section):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     """Seed of the sampler's generator for requests that bring no seed of their own."""
     num_threads: int | None = Field(None, ge=1, le=1024)
-    """torch intra-op threads per worker. Unset: torch's default (all cores); set it
-    when several engines share a machine."""
+    """torch intra-op threads per worker, and the CPUs a TP=1 engine replica reserves
+    in Ray (Ray sets OMP_NUM_THREADS to that reservation). Unset: 1 CPU reserved,
+    torch's default threads; set it when several engines share a machine."""
 
 
 class EngineConfig(_Section):
