@@ -118,9 +118,11 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt))
         done = False
+        pending: Delta | RequestOutput | Exception | None = None
         try:
             while True:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
                 if isinstance(item, Exception):
                     done = True
                     raise item
@@ -128,6 +130,16 @@ class AsyncEngine:
                     done = True
                     yield item
                     return
+                # Coalesce under back-pressure: when the consumer fell behind
+                # (a busy ingress or proxy), the deltas already queued for this
+                # completion go out as one. No latency is added otherwise.
+                while not stream.empty() and item.finish_reason is None:
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, Delta) and nxt.index == item.index:
+                        item = _merge(item, nxt)
+                    else:
+                        pending = nxt
+                        break
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -253,3 +265,19 @@ class AsyncEngine:
             "num_steps": self.num_steps,
             "alive": self.alive,
         }
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    """Two consecutive deltas of one completion as one."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return Delta(
+        a.request_id,
+        a.index,
+        a.text + b.text,
+        a.token_ids + b.token_ids,
+        b.finish_reason,
+        b.stop_reason,
+        logprobs,
+    )
