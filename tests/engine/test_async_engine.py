@@ -104,3 +104,27 @@ def test_a_failing_executor_fails_streams_loudly():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_slow_consumer_gets_coalesced_deltas_and_every_token():
+    async def main():
+        core, _, _ = make_engine(block_size=4, num_blocks=64, budget=24)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        deltas = []
+        final = None
+        async for item in engine.generate(
+            "slow", list(range(10)), SamplingParams(max_tokens=40, ignore_eos=True)
+        ):
+            if isinstance(item, Delta):
+                deltas.append(item)
+                await asyncio.sleep(0.02)  # the engine runs ahead meanwhile
+            else:
+                final = item
+        await engine.shutdown()
+        return deltas, final
+
+    deltas, final = asyncio.run(main())
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == final.outputs[0].token_ids and len(tokens) == 40
+    assert len(deltas) < 40  # several steps' tokens went out together
+    assert deltas[-1].finish_reason == "length"
