@@ -17,7 +17,7 @@ from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
 from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.engine.scheduler import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +79,7 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, processor: OutputProcessor) -> str:
         rid = str(next(self._ids))
         token_ids = self.encode(prompt)
-        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"token ids {bad[:5]} are outside the vocabulary (0 to "
-                f"{self.info.vocab_size - 1}): send ids the model's tokenizer produces"
-            )
+        check_token_ids(token_ids, self.info.vocab_size)
         request = self.scheduler.make_request(
             rid, token_ids, params, eos_token_id=self.info.eos_token_id
         )

@@ -28,7 +28,7 @@ from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
 from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.engine.scheduler import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +89,7 @@ class AsyncEngine:
         immutable config."""
         self.scheduler.validate_prompt(len(prompt_token_ids))
         if self.vocab_size is not None:
-            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestRejected(
-                    f"token ids {bad[:5]} are outside the vocabulary (0 to "
-                    f"{self.vocab_size - 1}): send ids the model's tokenizer produces"
-                )
+            check_token_ids(prompt_token_ids, self.vocab_size)
 
     async def generate(
         self,

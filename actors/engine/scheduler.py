@@ -46,6 +46,17 @@ class RequestRejected(ValueError):
     """A request the engine can never serve; the message names the fix."""
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Raise RequestRejected for ids outside [0, vocab_size): the embedding
+    would fail the whole step, and with it every request in the batch."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestRejected(
+            f"token ids {bad[:5]} are outside the vocabulary (0 to {vocab_size - 1}): "
+            "send ids the model's tokenizer produces"
+        )
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one engine's steps."""
