@@ -103,9 +103,8 @@ class EngineReplica:
         }
 
     async def reset_prefix_cache(self) -> None:
-        # Routed through the engine thread's inbox would be cleaner; the pool
-        # reset only clears hash maps, which the thread reads between steps.
-        self.built.scheduler.kv.reset_prefix_cache()
+        """Forget every cached block hash (done by the engine thread, between steps)."""
+        await self._engine().reset_prefix_cache()
 
     async def check_health(self) -> None:
         """Called by Serve; raising marks the replica unhealthy (restarted)."""

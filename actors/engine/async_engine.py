@@ -52,6 +52,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _ResetPrefixCache:
+    done: asyncio.Future[None]
+
+
+_Command = _Add | _Abort | _ResetPrefixCache
+
+
 class AsyncEngine:
     """Thread-owning wrapper of an EngineCore. Create it inside a running event
     loop; `shutdown()` stops the thread (requests in flight are aborted)."""
@@ -71,7 +79,7 @@ class AsyncEngine:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.idle_wait_s = idle_wait_s
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
         self._loop = asyncio.get_running_loop()
         self._stop = threading.Event()
@@ -144,6 +152,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash, on the engine thread (between steps)."""
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._inbox.put(_ResetPrefixCache(done))
+        await done
+
     @property
     def dead_message(self) -> str:
         """What clients are told once the engine failed (no traceback: that
@@ -169,8 +183,12 @@ class AsyncEngine:
     def _send(self, request_id: str, item: Delta | RequestOutput | Exception) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, item)
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Command) -> None:
         sched = self.scheduler
+        if isinstance(cmd, _ResetPrefixCache):
+            sched.kv.reset_prefix_cache()
+            self._loop.call_soon_threadsafe(cmd.done.set_result, None)
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
                 sched.abort_requests(cmd.request_id)
@@ -216,8 +234,8 @@ class AsyncEngine:
             for rid in list(self.scheduler.requests):
                 self.scheduler.abort_requests(rid)
 
-    def _drain(self) -> list[_Add | _Abort | None]:
-        cmds: list[_Add | _Abort | None] = []
+    def _drain(self) -> list[_Command | None]:
+        cmds: list[_Command | None] = []
         while True:
             try:
                 cmds.append(self._inbox.get_nowait())

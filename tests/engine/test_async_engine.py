@@ -128,3 +128,21 @@ def test_a_slow_consumer_gets_coalesced_deltas_and_every_token():
     assert tokens == final.outputs[0].token_ids and len(tokens) == 40
     assert len(deltas) < 40  # several steps' tokens went out together
     assert deltas[-1].finish_reason == "length"
+
+
+def test_prefix_cache_reset_runs_on_the_engine_thread():
+    async def main():
+        core, sched, _ = make_engine(block_size=4, num_blocks=64, budget=64)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        prompt = list(range(20))
+        await collect(engine, "a", prompt, max_tokens=2, ignore_eos=True)
+        await collect(engine, "b", prompt, max_tokens=2, ignore_eos=True)
+        hits_before = sched.kv.prefix_stats.total_hits
+        await engine.reset_prefix_cache()
+        await collect(engine, "c", prompt, max_tokens=2, ignore_eos=True)
+        hits_after = sched.kv.prefix_stats.total_hits
+        await engine.shutdown()
+        return hits_before, hits_after
+
+    before, after = asyncio.run(main())
+    assert before == 16 and after == before  # "c" found nothing after the reset
