@@ -229,14 +229,15 @@ class PeakRss:
 
     A daemon thread reads /proc every `interval_s` (default 20 ms; cheap, and
     torch ops release the GIL). After the block, `start_bytes`, `peak_bytes` and
-    `delta_bytes` (peak - start, >= 0) are set. A peak shorter than one
-    interval can be missed.
+    `delta_bytes` (peak - start, >= 0) are set; `samples` counts the reads the
+    thread has taken. A peak shorter than one interval can be missed.
     """
 
     def __init__(self, interval_s: float = 0.02) -> None:
         self.interval_s = interval_s
         self.start_bytes = 0
         self.peak_bytes = 0
+        self.samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -247,6 +248,7 @@ class PeakRss:
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+            self.samples += 1
 
     def __enter__(self) -> PeakRss:
         gc.collect()

@@ -116,7 +116,12 @@ def test_peak_rss_sees_an_allocation():
     with hf.PeakRss(interval_s=0.005) as rss:
         block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
         block.add_(1)
-        time.sleep(0.05)
+        # Hold the block until the sampling thread has read RSS twice more: on a
+        # loaded machine a fixed sleep can pass before the thread runs at all.
+        seen, deadline = rss.samples, time.monotonic() + 10
+        while rss.samples < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert rss.samples >= seen + 2, "the sampling thread never ran"
         del block
     assert rss.delta_bytes >= 32 << 20
     assert hf.max_rss_bytes() >= rss.peak_bytes // 2
