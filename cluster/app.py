@@ -15,11 +15,13 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from spur.actors.engine.actor import EngineReplica
 from spur.cluster.ingress import Ingress
+from spur.cluster.routing.index_actor import index_kwargs_of
 from spur.configs.loader import config_to_dict
-from spur.configs.schema import EngineConfig, LaneConfig, SpareConfig, SpurConfig
+from spur.configs.schema import EngineConfig, LaneConfig, RouterConfig, SpareConfig, SpurConfig
 
 
 def engine_args(engine: EngineConfig) -> dict[str, Any]:
@@ -52,7 +54,39 @@ def deployment_name(lane: str) -> str:
     return f"engine-{lane}"
 
 
-def _engine_deployment(lane: LaneConfig | SpareConfig) -> Any:
+def routing_of(router: RouterConfig) -> dict[str, Any]:
+    """What engine replicas and routers need to reach the KV index."""
+    return {
+        "index_kwargs": index_kwargs_of(router.model_dump()),
+        "stats_period_s": router.stats_period_s,
+        "events_period_s": 0.05,
+    }
+
+
+def _router_config(lane: str, router: RouterConfig) -> RequestRouterConfig | None:
+    """The Serve request router of a lane: spur's prefix router, the round-robin
+    baseline, or None for Serve's default (power of two choices)."""
+    if router.policy == "power_of_two":
+        return None
+    from spur.cluster.routing.router import PrefixRouter, RoundRobinRouter
+
+    cls = PrefixRouter if router.policy == "prefix" else RoundRobinRouter
+    return RequestRouterConfig(
+        request_router_class=cls,
+        request_router_kwargs={
+            "lane": lane,
+            "weights": {
+                "load_weight": router.load_weight,
+                "kv_usage_weight": router.kv_usage_weight,
+                "hot_spot_margin": router.hot_spot_margin,
+            },
+            "index_kwargs": index_kwargs_of(router.model_dump()),
+        },
+        request_routing_stats_period_s=router.stats_period_s,
+    )
+
+
+def _engine_deployment(lane: LaneConfig | SpareConfig, router: RouterConfig) -> Any:
     engine = lane.engine
     tp = engine.parallelism.tensor_parallel_size
     gpus = engine.parallelism.num_gpus_per_worker
@@ -64,6 +98,9 @@ def _engine_deployment(lane: LaneConfig | SpareConfig) -> Any:
         "health_check_period_s": 5.0,
         "graceful_shutdown_timeout_s": 20.0,
     }
+    request_router = _router_config(lane.name, router)
+    if request_router is not None:
+        options["request_router_config"] = request_router
     actor: dict[str, Any] = {"resources": dict(lane.resources)}
     if tp == 1:
         # At most one engine per node. (Serve refuses this option together with
@@ -87,17 +124,20 @@ def _engine_deployment(lane: LaneConfig | SpareConfig) -> Any:
 def build_app(config: SpurConfig) -> Application:
     """The Serve application for `config` (not yet running: `serve.run` it)."""
     engines = {}
-    for lane in config.lanes:
-        engines[lane.name] = _engine_deployment(lane).bind(engine_args(lane.engine), lane.name)
+    routing = routing_of(config.router)
+    lanes: list[LaneConfig | SpareConfig] = list(config.lanes)
     if config.spare is not None:
-        spare = config.spare
-        engines[spare.name] = _engine_deployment(spare).bind(engine_args(spare.engine), spare.name)
+        lanes.append(config.spare)
+    for lane in lanes:
+        engines[lane.name] = _engine_deployment(lane, config.router).bind(
+            engine_args(lane.engine), lane.name, routing
+        )
     ingress = serve.deployment(Ingress).options(
         name="ingress",
-        num_replicas=1,
+        num_replicas=config.server.ingress_replicas,
         max_ongoing_requests=4096,
         # Tokenization and streaming only: no CPU reservation, so that the
         # engines can take every core of a small machine.
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": dict(config.server.ingress_resources)},
     )
     return ingress.bind(engines, config_to_dict(config))

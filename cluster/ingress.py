@@ -11,6 +11,7 @@ blocks. Nothing a client sends makes this answer 500 or stop serving.
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from spur.actors.engine.hashing import BlockHasher
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from spur.cluster import protocol as P
@@ -30,6 +32,9 @@ from spur.cluster.errors import (
     queue_full,
     service_unavailable,
 )
+from spur.cluster.failover import EngineStream
+from spur.cluster.lanes import LaneSelector, LaneView
+from spur.cluster.routing.index_actor import get_index, index_kwargs_of
 
 logger = logging.getLogger(__name__)
 
@@ -113,27 +118,52 @@ def _error_response(exc: ProtocolError) -> Response:
 
 
 class _Lane:
-    """What the ingress knows of one lane's engines (filled on first use)."""
+    """What the ingress knows of one lane's (or the spare's) engines; the
+    tokenizer and max_model_len are filled on first use."""
 
-    def __init__(self, name: str, handle: Any) -> None:
+    def __init__(self, name: str, handle: Any, cache: dict[str, Any]) -> None:
         self.name = name
         self.handle = handle
+        self.hasher = BlockHasher(int(cache["block_size"]), str(cache["hash_seed"]))
+        self.caching = bool(cache.get("enable_prefix_caching", True))
         self.tokenizer: Any = None
         self.max_model_len = 0
         self.lock = asyncio.Lock()
+        self.healthy = -1  # replicas the index holds healthy (-1: not polled yet)
+        self.switched = asyncio.Event()  # set (and replaced) when the lane moves to its spare
 
 
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engines: dict[str, Any], config: dict[str, Any]) -> None:
         self.config = config
-        self.lanes = {name: _Lane(name, handle) for name, handle in engines.items()}
+        sections = {lane["name"]: lane for lane in config["lanes"]}
+        spare = config.get("spare")
+        if spare is not None:
+            sections[spare["name"]] = spare
+        self.lanes = {
+            name: _Lane(name, handle, sections[name]["engine"]["cache"])
+            for name, handle in engines.items()
+        }
+        self.primaries = [lane["name"] for lane in config["lanes"]]
         self.model_to_lane: dict[str, str] = {}
         for lane in config["lanes"]:
             for served in lane["served_model_names"]:
                 self.model_to_lane[served] = lane["name"]
         self.served = list(self.model_to_lane)
         self._warned_fields: set[str] = set()
+        router = config["router"]
+        self.router = router
+        self.selector = LaneSelector(
+            self.primaries,
+            spare_of={lane: spare["name"] for lane in spare["serves_lanes"]} if spare else {},
+            saturation={
+                lane["name"]: lane["saturation_queue_threshold"] for lane in config["lanes"]
+            },
+            healthy_after_s=router["failover_healthy_after_s"],
+        )
+        self.index = get_index(index_kwargs_of(router))
+        self._monitor: asyncio.Task[None] | None = None
 
     # -- helpers ----------------------------------------------------------------------
     async def _lane(self, model: str | None) -> tuple[str, _Lane]:
@@ -168,27 +198,103 @@ class Ingress:
         tok = lane.tokenizer
         return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
-    async def _open(
-        self, lane: _Lane, payload: dict[str, Any], *, chat: bool = False
-    ) -> tuple[Any, dict[str, Any]]:
-        """Start an engine stream and read its first item (so that a
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._monitor_lanes())
+
+    async def _monitor_lanes(self, period_s: float = 0.25) -> None:
+        """Poll the index's health view; move lanes to and from their spare."""
+        while True:
+            try:
+                counts = await self.index.healthy_counts.remote(self.primaries)
+                for name, c in counts.items():
+                    self.lanes[name].healthy = c["healthy"]
+                views = {name: LaneView(c["healthy"], c["waiting"]) for name, c in counts.items()}
+                for lane, reason in self.selector.update(views):
+                    self._switched(lane, reason)
+            except Exception as exc:
+                logger.warning("lane monitor: %s", exc)
+            await asyncio.sleep(period_s)
+
+    def _switched(self, lane: str, reason: str) -> None:
+        logger.warning("lane %s now served by %s (%s)", lane, self.selector.target(lane), reason)
+        self.index.count.remote(lane, "to_primary" if reason == "primary" else "to_spare")
+        if reason != "primary":
+            event = self.lanes[lane].switched
+            self.lanes[lane].switched = asyncio.Event()
+            event.set()
+
+    def _on_event(self, lane: str) -> Any:
+        def on_event(name: str, replica_id: str | None) -> None:
+            self.index.count.remote(lane, name)
+            if name == "replica_failed" and replica_id:
+                self.index.report_failure.remote(replica_id)
+
+        return on_event
+
+    def _opener(self, lane: _Lane, *, chat: bool) -> Any:
+        """`open(payload, attempt)` for EngineStream: the lane's primaries or its spare,
+        the prompt's block hashes for that target, and the first item (so that a
         rejection becomes an HTTP error before any byte is sent)."""
-        gen = lane.handle.options(stream=True).generate.remote(payload)
-        try:
-            first = await gen.__anext__()
-        except BackPressureError:
-            raise queue_full(1.0) from None
-        except StopAsyncIteration:
-            raise service_unavailable("the engine closed the stream without answering") from None
-        if first["type"] == "error":
-            param = first.get("param")
-            code = None
-            if param == "prompt" and "max_model_len" in first["message"]:
-                code = "context_length_exceeded"
-            if param == "prompt" and chat:
-                param = "messages"
-            raise ProtocolError(first["status"], first["message"], param=param, code=code)
-        return gen, first
+
+        async def open_(payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
+            name = self.selector.target(lane.name)
+            if name == lane.name and attempt and lane.healthy == 0:
+                # The primaries are gone and the monitor has not switched yet.
+                self.selector.fail_over_now(lane.name)
+                name = self.selector.target(lane.name)
+            target = self.lanes[name]
+            if name != lane.name:
+                self.index.count.remote(lane.name, "fallback")
+            if target.caching and payload.get("block_hashes") is None:
+                payload = {
+                    **payload,
+                    "block_hashes": target.hasher.chain(
+                        payload["prompt_token_ids"], cache_salt=payload.get("cache_salt")
+                    ),
+                }
+            switched = lane.switched
+            gen = target.handle.options(stream=True).generate.remote(payload)
+            first_task = asyncio.ensure_future(gen.__anext__())
+            waits: set[asyncio.Future[Any]] = {first_task}
+            if name == lane.name:
+                waits.add(asyncio.ensure_future(switched.wait()))
+            timeout = 15.0 if target.healthy == 0 and name == lane.name else None
+            try:
+                done, _ = await asyncio.wait(
+                    waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            except BaseException:
+                first_task.cancel()
+                gen.cancel()
+                raise
+            finally:
+                for w in waits - {first_task}:
+                    w.cancel()
+            if first_task not in done:
+                first_task.cancel()
+                gen.cancel()
+                why = "moved to its spare" if switched.is_set() else "has no healthy replica"
+                raise service_unavailable(f"lane {lane.name!r} {why} while the request waited")
+            try:
+                first = first_task.result()
+            except BackPressureError:
+                raise queue_full(1.0) from None
+            except StopAsyncIteration:
+                raise service_unavailable(
+                    "the engine closed the stream without answering"
+                ) from None
+            if first["type"] == "error":
+                param = first.get("param")
+                code = None
+                if param == "prompt" and "max_model_len" in first["message"]:
+                    code = "context_length_exceeded"
+                if param == "prompt" and chat:
+                    param = "messages"
+                raise ProtocolError(first["status"], first["message"], param=param, code=code)
+            return gen, first
+
+        return open_
 
     # -- OpenAI API ---------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -199,13 +305,19 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._guard(self._chat(request))
 
+    def _session(self, request: Request, model: str) -> str | None:
+        header = self.router.get("affinity_header")
+        value = request.headers.get(header) if header else None
+        return f"{model}:{value}" if value else None
+
     async def _completions(self, request: Request) -> Response:
         req = P.parse_request(P.CompletionRequest, await request.body())
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
         prompts = [self._encode(lane, p) for p in req.prompts()]
         params = req.to_sampling_params(default_max_tokens=16)
-        return await self._serve(req, model, lane, prompts, params, chat=False)
+        session = self._session(request, model)
+        return await self._serve(req, model, lane, prompts, params, chat=False, session=session)
 
     async def _chat(self, request: Request) -> Response:
         req = P.parse_request(P.ChatCompletionRequest, await request.body())
@@ -213,7 +325,8 @@ class Ingress:
         model, lane = await self._lane(req.model)
         ids = self._chat_ids(lane, req.chat_messages())
         params = req.to_sampling_params(default_max_tokens=max(1, lane.max_model_len - len(ids)))
-        return await self._serve(req, model, lane, [ids], params, chat=True)
+        session = self._session(request, model)
+        return await self._serve(req, model, lane, [ids], params, chat=True, session=session)
 
     async def _serve(
         self,
@@ -224,11 +337,14 @@ class Ingress:
         params: Any,
         *,
         chat: bool,
+        session: str | None = None,
     ) -> Response:
+        self._ensure_monitor()
         rid = P.make_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         sp = _params_dict(params)
-        opened = []
+        opened: list[tuple[EngineStream, dict[str, Any]]] = []
+        opener = self._opener(lane, chat=chat)
         try:
             for i, ids in enumerate(prompts):
                 payload = {
@@ -237,8 +353,15 @@ class Ingress:
                     "sampling_params": sp,
                     "priority": int(params.extra.get("priority", 0) or 0),
                     "cache_salt": params.extra.get("cache_salt"),
+                    "session": session,
                 }
-                opened.append(await self._open(lane, payload, chat=chat))
+                stream = EngineStream(
+                    opener,
+                    payload,
+                    max_attempts=int(self.router["max_attempts"]),
+                    on_event=self._on_event(lane.name),
+                )
+                opened.append((stream, await stream.start()))
         except BaseException:
             for gen, _ in opened:
                 gen.cancel()
@@ -369,6 +492,58 @@ class Ingress:
     @app.get("/admin/config")
     async def admin_config(self) -> Response:
         return JSONResponse(self.config)
+
+    @app.get("/admin/lanes")
+    async def admin_lanes(self) -> Response:
+        """Per lane: where its traffic goes now and why, and per replica: healthy,
+        queue, KV usage, blocks held, restarts (from the KV index)."""
+        self._ensure_monitor()
+        names = list(self.lanes)
+        try:
+            reports = await self.index.lanes.remote(names)
+        except Exception as exc:
+            return _error_response(service_unavailable(f"the KV index is unavailable ({exc})", 1.0))
+        out = {}
+        for name in names:
+            entry = dict(reports.get(name, {}))
+            if name in self.selector.state:
+                entry.update(self.selector.report(name))
+            entry["kind"] = "primary" if name in self.primaries else "spare"
+            out[name] = entry
+        return JSONResponse(out)
+
+    @app.post("/admin/reset_prefix_cache")
+    async def admin_reset_prefix_cache(self, request: Request) -> Response:
+        """Make engines forget their cached prefixes: body {"lane": name} for one lane,
+        {"replica_id": id} for one replica, {} for all. Answers the replica ids; each
+        resets within one heartbeat (router.stats_period_s)."""
+
+        async def work() -> Response:
+            body = await request.body()
+            try:
+                req = json.loads(body) if body.strip() else {}
+            except ValueError as exc:
+                raise ProtocolError(400, f"body is not JSON: {exc}", code="invalid_json") from None
+            if not isinstance(req, dict):
+                raise ProtocolError(400, "body must be a JSON object", param="body")
+            lane, replica = req.get("lane"), req.get("replica_id")
+            if lane is not None and lane not in self.lanes:
+                raise ProtocolError(
+                    404, f"unknown lane {lane!r}; lanes: {sorted(self.lanes)}", param="lane"
+                )
+            ids = await self.index.queue_command.remote("reset_prefix_cache", lane, replica)
+            return JSONResponse({"replica_ids": ids})
+
+        return await self._guard(work())
+
+    @app.get("/admin/routing")
+    async def admin_routing(self) -> Response:
+        """Routing metrics: decisions by reason, matched blocks, index size and event
+        lag, failovers, retries and spare fallbacks."""
+        try:
+            return JSONResponse(await self.index.metrics.remote())
+        except Exception as exc:
+            return _error_response(service_unavailable(f"the KV index is unavailable ({exc})", 1.0))
 
     @app.get("/admin/engines")
     async def admin_engines(self) -> Response:

@@ -45,9 +45,12 @@ def stop(cfg: SpurConfig) -> None:
     import ray
     from ray import serve
 
+    from spur.cluster.routing.index_actor import kill_index
+
     try:
         serve.delete(APP_NAME)
         serve.shutdown()
+        kill_index()
     finally:
         if cfg.server.embedded_ray:
             ray.shutdown()

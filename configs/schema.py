@@ -486,6 +486,12 @@ class ServerConfig(_Section):
     num_cpus: int | None = Field(None, ge=1, le=4096)
     """Logical CPUs of an embedded Ray (for scheduling, not a thread limit). Unset: the
     machine's count. Ignored when joining a cluster."""
+    ingress_replicas: int = Field(1, ge=1, le=64)
+    """Replicas of the ingress (API, tokenization, routing). Each holds its own
+    request router; they agree because they read one KV index."""
+    ingress_resources: Resources = Field(default_factory=dict)
+    """Ray custom resources each ingress replica requires, for example {"head": 1}, to
+    keep the API on nodes that stay (not on engine nodes that may fail)."""
 
     @property
     def embedded_ray(self) -> bool:

@@ -9,10 +9,12 @@ yields JSON-safe dicts, so the ingress never needs the engine's classes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -27,33 +29,70 @@ logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    """One engine. `engine_args` are `spur.actors.builder.EngineArgs` fields."""
+    """One engine. `engine_args` are `spur.actors.builder.EngineArgs` fields;
+    `routing` (optional) connects it to the deployment's KV index:
+    {"index_kwargs": {...}, "stats_period_s": float, "events_period_s": float}."""
 
-    def __init__(self, engine_args: dict[str, Any], lane: str) -> None:
+    def __init__(
+        self, engine_args: dict[str, Any], lane: str, routing: dict[str, Any] | None = None
+    ) -> None:
         from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
 
         self.lane = lane
-        self.args = EngineArgs(**engine_args)
-        factory = None
-        if self.args.tensor_parallel_size > 1:
-            from spur.actors.worker.actor import RayExecutor
-
-            factory = RayExecutor
-        built = (
-            build_engine(self.args, executor_factory=factory)
-            if factory
-            else build_engine(self.args)
-        )
-        self.built = built
-        self.tokenizer = load_tokenizer(built.info.model_dir)
-        self.engine: AsyncEngine | None = None
+        self.routing = routing
         self.node = socket.gethostname()
         self.pid = os.getpid()
-        logger.info("engine replica for lane %s ready (pid %d)", lane, self.pid)
+        self.index: Any = None
+        self.replica_id = f"{lane}-{self.pid}"
+        self.node_id = self.node
+        if routing is not None:
+            import ray
+            from ray import serve
+
+            from spur.cluster.routing.index_actor import get_index
+
+            self.index = get_index(routing.get("index_kwargs"))
+            self.node_id = ray.get_runtime_context().get_node_id()
+            with contextlib.suppress(Exception):  # outside Serve (tests): keep the default
+                self.replica_id = serve.get_replica_context().replica_id.unique_id
+        try:
+            self.args = EngineArgs(**engine_args)
+            factory = None
+            if self.args.tensor_parallel_size > 1:
+                from spur.actors.worker.actor import RayExecutor
+
+                factory = RayExecutor
+            events = routing is not None
+            built = (
+                build_engine(self.args, executor_factory=factory, enable_kv_events=events)
+                if factory
+                else build_engine(self.args, enable_kv_events=events)
+            )
+            self.built = built
+            self.tokenizer = load_tokenizer(built.info.model_dir)
+        except BaseException as exc:
+            if self.index is not None:  # counted: a restart loop marks this node down
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.get(
+                        self.index.start_failed.remote(
+                            lane, self.node_id, f"{type(exc).__name__}: {exc}"
+                        ),
+                        timeout=10,
+                    )
+            raise
+        self.engine: AsyncEngine | None = None
+        self._publisher: asyncio.Task[None] | None = None
+        if self.index is not None:
+            self.index.register.remote(self.replica_id, lane, self.node_id)
+            with contextlib.suppress(RuntimeError):  # no running loop: start on first call
+                self._engine()
+        logger.info("engine replica %s for lane %s ready (pid %d)", self.replica_id, lane, self.pid)
 
     def _engine(self) -> AsyncEngine:
-        # Created lazily inside the replica's event loop (its asyncio queues
-        # belong to that loop).
+        # Created inside the replica's event loop (its asyncio queues belong to
+        # that loop), with the KV-event publisher when routing is on.
         if self.engine is None:
             self.engine = AsyncEngine(
                 self.built.core,
@@ -61,7 +100,43 @@ class EngineReplica:
                 eos_token_id=self.built.info.eos_token_id,
                 vocab_size=self.built.info.vocab_size,
             )
+            if self.index is not None:
+                self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
         return self.engine
+
+    async def _publish_loop(self) -> None:
+        """Push KV event batches every events_period_s, and a heartbeat with the
+        engine's load at least every stats_period_s; send a snapshot when the
+        index asks for one (a gap, or an index that restarted)."""
+        assert self.routing is not None and self.engine is not None
+        engine = self.engine
+        events_period = float(self.routing.get("events_period_s", 0.05))
+        stats_period = float(self.routing.get("stats_period_s", 1.0))
+        last = 0.0
+        warned = False
+        while True:
+            await asyncio.sleep(events_period)
+            batches = engine.take_kv_batches()
+            now = time.monotonic()
+            if not batches and now - last < stats_period:
+                continue
+            try:
+                answer = await self.index.publish.remote(self.replica_id, batches, engine.stats())
+                last = now
+                for command in answer["commands"]:
+                    if command == "reset_prefix_cache":
+                        await engine.reset_prefix_cache()
+                if answer["resync"]:
+                    seq, hashes = await engine.snapshot()
+                    self.index.register.remote(
+                        self.replica_id, self.lane, self.node_id, engine.stats()
+                    )
+                    await self.index.resync.remote(self.replica_id, seq, hashes)
+                warned = False
+            except Exception as exc:  # the index restarts: the next publish resyncs
+                if not warned:
+                    logger.warning("KV index unreachable (%s); retrying", exc)
+                    warned = True
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request. payload: request_id, prompt_token_ids,
@@ -79,9 +154,14 @@ class EngineReplica:
                 priority=int(payload.get("priority", 0)),
                 cache_salt=payload.get("cache_salt"),
             )
+            first = True
             async for item in stream:
                 if isinstance(item, Delta):
-                    yield {"type": "delta", **_delta_dict(item)}
+                    out = {"type": "delta", **_delta_dict(item)}
+                    if first:  # lets the caller report a replica that dies mid-stream
+                        out["replica_id"] = self.replica_id
+                        first = False
+                    yield out
                 elif isinstance(item, RequestOutput):
                     yield {"type": "final", **_final_dict(item)}
         except SamplingParamsError as exc:
@@ -95,6 +175,8 @@ class EngineReplica:
         engine = self._engine()
         return {
             "lane": self.lane,
+            "replica_id": self.replica_id,
+            "node_id": self.node_id,
             "pid": self.pid,
             "node": self.node,
             "max_model_len": self.built.scheduler.config.max_model_len,

@@ -14,6 +14,7 @@ went away) aborts its request: its blocks return to the pool within a step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from spur.actors.engine.block_pool import AllBlocksCleared, BlockStored, KVEvent
 from spur.actors.engine.core import EngineCore
 from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
@@ -57,7 +59,36 @@ class _ResetPrefixCache:
     done: asyncio.Future[None]
 
 
-_Command = _Add | _Abort | _ResetPrefixCache
+@dataclass
+class _Snapshot:
+    done: asyncio.Future[tuple[int, list[bytes]]]
+
+
+_Command = _Add | _Abort | _ResetPrefixCache | _Snapshot
+
+
+def event_batch(seq: int, events: list[KVEvent], group_id: int = 0) -> dict[str, Any]:
+    """The net effect of `events` on group `group_id`'s cached hashes, as one batch
+    for the KV index: {"seq", "cleared", "stored", "removed", "time"}. Applying
+    it = clear (if cleared), add stored, remove removed; a hash stored and then
+    evicted within the batch ends up in removed only, and the reverse in stored."""
+    last: dict[bytes, bool] = {}
+    cleared = False
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            last.clear()
+            cleared = True
+        elif ev.group_id == group_id:
+            present = isinstance(ev, BlockStored)
+            for h in ev.block_hashes:
+                last[h] = present
+    return {
+        "seq": seq,
+        "cleared": cleared,
+        "stored": [h for h, present in last.items() if present],
+        "removed": [h for h, present in last.items() if not present],
+        "time": time.time(),
+    }
 
 
 class AsyncEngine:
@@ -86,6 +117,12 @@ class AsyncEngine:
         self.error: str | None = None
         self.num_steps = 0
         self.last_stats: dict[str, Any] = {}
+        # KV event batches for the router's index, when the pool records events
+        # (engine thread appends, the replica's publisher pops; a full deque
+        # drops the oldest batch, which the index sees as a gap and resyncs).
+        self.publish_kv_events = core.scheduler.kv.pool.enable_kv_events
+        self.kv_batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
+        self._next_seq = 0
         self._thread = threading.Thread(target=self._run, name="spur-engine", daemon=True)
         self._thread.start()
 
@@ -158,6 +195,20 @@ class AsyncEngine:
         self._inbox.put(_ResetPrefixCache(done))
         await done
 
+    async def snapshot(self) -> tuple[int, list[bytes]]:
+        """(seq, every cached hash of group 0) as of event batch `seq`, taken on the
+        engine thread: the index replaces its view with it and applies later batches."""
+        done: asyncio.Future[tuple[int, list[bytes]]] = self._loop.create_future()
+        self._inbox.put(_Snapshot(done))
+        return await done
+
+    def take_kv_batches(self) -> list[dict[str, Any]]:
+        """The KV event batches not taken yet, oldest first."""
+        out = []
+        while self.kv_batches:
+            out.append(self.kv_batches.popleft())
+        return out
+
     @property
     def dead_message(self) -> str:
         """What clients are told once the engine failed (no traceback: that
@@ -187,7 +238,13 @@ class AsyncEngine:
         sched = self.scheduler
         if isinstance(cmd, _ResetPrefixCache):
             sched.kv.reset_prefix_cache()
+            self._flush_kv_events()
             self._loop.call_soon_threadsafe(cmd.done.set_result, None)
+            return
+        if isinstance(cmd, _Snapshot):
+            self._flush_kv_events()
+            hashes = list(sched.kv.pool.cached[0]) if sched.kv.pool.cached else []
+            self._loop.call_soon_threadsafe(cmd.done.set_result, (self._next_seq - 1, hashes))
             return
         if isinstance(cmd, _Abort):
             if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
@@ -253,6 +310,7 @@ class AsyncEngine:
             self._send(delta.request_id, delta)
         for final in update.finished:
             self._send(final.request_id, final)
+        self._flush_kv_events()
         self.last_stats = {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
@@ -262,6 +320,14 @@ class AsyncEngine:
             "kv_leak_violations": stats.kv_leak_violations,
             "step_seconds": time.perf_counter() - t0,
         }
+
+    def _flush_kv_events(self) -> None:
+        if not self.publish_kv_events:
+            return
+        events = self.scheduler.kv.take_events()
+        if events:
+            self.kv_batches.append(event_batch(self._next_seq, events))
+            self._next_seq += 1
 
     def stats(self) -> dict[str, Any]:
         """A snapshot (read from another thread: values may be one step old)."""

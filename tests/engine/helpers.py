@@ -34,6 +34,7 @@ def make_engine(
     caching: bool = True,
     eos_token_id: int | None = None,
     eos_per_mille: int = 0,
+    kv_events: bool = False,
 ) -> tuple[EngineCore, Scheduler, FakeExecutor]:
     if max_model_len is None:  # the longest that surely fits the pool
         max_model_len = min(256, (num_blocks - 1) // len(groups) * block_size)
@@ -49,6 +50,7 @@ def make_engine(
             long_prefill_token_threshold=threshold,
         ),
         kv_config,
+        enable_kv_events=kv_events,
     )
     fake = FakeExecutor(
         kv_config, vocab_size=1000, eos_token_id=eos_token_id, eos_per_mille=eos_per_mille

@@ -146,3 +146,68 @@ def test_prefix_cache_reset_runs_on_the_engine_thread():
 
     before, after = asyncio.run(main())
     assert before == 16 and after == before  # "c" found nothing after the reset
+
+
+# -- KV events for the router's index ---------------------------------------------------
+def test_event_batch_keeps_the_net_effect_in_order():
+    from spur.actors.engine.async_engine import event_batch
+    from spur.actors.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+
+    a, b, c, d = b"a", b"b", b"c", b"d"
+    batch = event_batch(
+        7,
+        [
+            BlockStored([a, b], 0),
+            BlockRemoved([a], 0),  # stored then evicted: removed
+            BlockStored([c], 1),  # another group: not the router's
+            BlockRemoved([d], 0),
+            BlockStored([d], 0),  # evicted then stored again: stored
+        ],
+    )
+    assert batch["seq"] == 7 and not batch["cleared"]
+    assert sorted(batch["stored"]) == [b, d] and batch["removed"] == [a]
+    cleared = event_batch(8, [BlockStored([a], 0), AllBlocksCleared(), BlockStored([b], 0)])
+    assert cleared["cleared"] and cleared["stored"] == [b] and cleared["removed"] == []
+
+
+def test_published_batches_replay_to_the_pool_and_match_a_snapshot():
+    """Applying the engine's batches in order gives exactly the hashes its pool
+    holds (through evictions and a reset), and a snapshot says the same."""
+
+    def replay(batches, held, last_seq):
+        for batch in batches:
+            assert batch["seq"] == last_seq + 1  # numbered without gaps
+            last_seq = batch["seq"]
+            if batch["cleared"]:
+                held.clear()
+            held.update(batch["stored"])
+            held.difference_update(batch["removed"])
+        return last_seq
+
+    async def main():
+        # 24 blocks of 4 tokens: eight 18-token prompts with 8 shared tokens evict.
+        core, sched, _ = make_engine(block_size=4, num_blocks=24, budget=24, kv_events=True)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        held: set[bytes] = set()
+        last = -1
+        for round_ in range(2):
+            ps = prompts(8, 18, shared=8, seed=round_)
+            await asyncio.gather(
+                *(
+                    collect(engine, f"r{round_}-{i}", p, max_tokens=4, ignore_eos=True)
+                    for i, p in enumerate(ps)
+                )
+            )
+            last = replay(engine.take_kv_batches(), held, last)
+        assert sched.kv.pool.stats.num_evictions > 0
+        seq, snap = await engine.snapshot()
+        last = replay(engine.take_kv_batches(), held, last)
+        pool_now = set(sched.kv.pool.cached[0])
+        assert held == pool_now == set(snap) and seq == last
+        await engine.reset_prefix_cache()
+        last = replay(engine.take_kv_batches(), held, last)
+        await engine.shutdown()
+        return held, sched
+
+    held, sched = asyncio.run(main())
+    assert held == set() and not sched.kv.pool.cached[0]

@@ -1,0 +1,195 @@
+"""One engine request that survives the replica serving it.
+
+`EngineStream` wraps the ingress's `open(payload, attempt)` (which picks the lane's
+primaries or its spare, sends the request and returns the engine stream with its
+first item) and gives every request exactly one ending: a complete answer, or an
+error item that says what happened.
+
+- Before the first token: a replica that dies (or whose engine died) is retried,
+  on another replica or the spare, up to `max_attempts` opens; then a 503 that
+  names the attempts and the last failure.
+- After tokens were streamed (one completion, n == 1): the request continues on
+  another replica with prompt + generated tokens as its prompt and the remaining
+  token budget, so the client sees one unbroken stream. With n > 1 (several
+  completions interleaved) the stream ends with an explicit error item instead.
+
+Continuation is exact for greedy decoding; with sampling it is a valid
+continuation, not the one the dead replica would have produced (its random
+state is lost), and a stop string that straddles the break is not detected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from spur.cluster.errors import ProtocolError, service_unavailable
+
+logger = logging.getLogger(__name__)
+
+Opener = Callable[[dict[str, Any], int], Awaitable[tuple[Any, dict[str, Any]]]]
+OnEvent = Callable[[str, str | None], None]
+
+
+# Ray's errors for a replica (or its node) that went away; matched by class name
+# over the MRO so that this module needs no Ray import to classify them.
+REPLICA_GONE = frozenset(
+    {
+        "RayActorError",
+        "ActorDiedError",
+        "ActorUnavailableError",
+        "NodeDiedError",
+        "WorkerCrashedError",
+        "OwnerDiedError",
+        "DeploymentUnavailableError",
+    }
+)
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """A failure of the replica rather than of the request: its actor died or is
+    unreachable, or its engine died (503)."""
+    if isinstance(exc, ProtocolError):
+        return exc.status == 503 and exc.code != "queue_full"
+    return any(c.__name__ in REPLICA_GONE for c in type(exc).__mro__)
+
+
+class EngineStream:
+    """Async iterator over one request's engine items (see the module docstring)."""
+
+    def __init__(
+        self,
+        opener: Opener,
+        payload: dict[str, Any],
+        *,
+        max_attempts: int,
+        on_event: OnEvent = lambda name, replica: None,
+        backoff_s: float = 0.1,
+    ) -> None:
+        self.opener = opener
+        self.payload = payload
+        self.max_attempts = max_attempts
+        self.on_event = on_event
+        self.backoff_s = backoff_s
+        self.gen: Any = None
+        self.replica_id: str | None = None
+        self.generated: list[int] = []
+        self.finished = False
+        self.ended = False
+        self.continuations = 0
+        self.attempts = 0
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.payload.get("sampling_params", {}).get("n", 1) or 1)
+
+    async def start(self) -> dict[str, Any]:
+        """Open the request (with retries); returns its first item. Errors that are
+        the request's own (400s) are raised as they are."""
+        self.gen, first = await self._open(self.payload)
+        self._note(first)
+        return first
+
+    async def _open(self, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            self.attempts += 1
+            if attempt:
+                self.on_event("retry", None)
+                await asyncio.sleep(self.backoff_s * attempt)
+            try:
+                return await self.opener(payload, attempt)
+            except Exception as exc:
+                if not is_retriable(exc):
+                    raise
+                last = exc
+                logger.warning(
+                    "request %s attempt %d failed: %s", payload["request_id"], attempt + 1, exc
+                )
+        detail = last.message if isinstance(last, ProtocolError) else f"{type(last).__name__}"
+        raise service_unavailable(
+            f"no replica could serve the request after {self.max_attempts} attempts "
+            f"(last failure: {detail}); retry later",
+            1.0,
+        )
+
+    def _note(self, item: dict[str, Any]) -> None:
+        if item.get("replica_id"):
+            self.replica_id = item["replica_id"]
+        if item.get("type") == "delta":
+            self.generated.extend(item.get("token_ids", ()))
+            if item.get("finish_reason") is not None:
+                self.finished = True
+        elif item.get("type") in ("final", "error"):
+            self.finished = True
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.ended:  # our own error item was the last one
+            raise StopAsyncIteration
+        try:
+            item = await self.gen.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            if not is_retriable(exc):
+                raise
+            return await self._recover(f"{type(exc).__name__}: {exc}")
+        if item.get("type") == "error" and item.get("status") == 503 and not self.finished:
+            return await self._recover(item.get("message", "engine failed"))
+        if item.get("type") == "final" and self.continuations:
+            # A continuation's prompt includes the tokens generated before the
+            # break: its cache hits are not hits on the client's prompt.
+            prompt_len = len(self.payload["prompt_token_ids"])
+            item = {**item, "num_cached_tokens": min(item.get("num_cached_tokens", 0), prompt_len)}
+        self._note(item)
+        return item
+
+    async def _recover(self, why: str) -> dict[str, Any]:
+        self.on_event("replica_failed", self.replica_id)
+        with contextlib.suppress(Exception):
+            self.gen.cancel()
+        if self.finished:  # every token arrived; only the summary was lost
+            raise StopAsyncIteration
+        if self.n != 1:
+            return self._error(
+                f"the replica serving this stream failed ({why}); with n > 1 it "
+                "cannot be continued elsewhere: retry the request"
+            )
+        params = dict(self.payload.get("sampling_params", {}))
+        done = len(self.generated)
+        params["max_tokens"] = max(1, int(params.get("max_tokens", 16)) - done)
+        params["min_tokens"] = max(0, int(params.get("min_tokens", 0) or 0) - done)
+        self.continuations += 1
+        payload = {
+            **self.payload,
+            "request_id": f"{self.payload['request_id']}-c{self.continuations}",
+            "prompt_token_ids": list(self.payload["prompt_token_ids"]) + self.generated,
+            "sampling_params": params,
+        }
+        payload.pop("block_hashes", None)  # the opener hashes the new prompt
+        self.on_event("failover", self.replica_id)
+        try:
+            self.gen, first = await self._open(payload)
+        except ProtocolError as exc:
+            return self._error(
+                f"the replica serving this stream failed after {done} tokens ({why}) and no "
+                f"other replica could continue it: {exc.message}"
+            )
+        self._note(first)
+        return first
+
+    def _error(self, message: str) -> dict[str, Any]:
+        self.finished = self.ended = True
+        return {"type": "error", "status": 503, "message": message, "param": None}
+
+    def cancel(self) -> None:
+        if self.gen is not None:
+            with contextlib.suppress(Exception):
+                self.gen.cancel()

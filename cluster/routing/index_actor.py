@@ -1,0 +1,240 @@
+"""The one KV index of a spur deployment: a named, detached Ray actor on the head
+node, shared by every engine (writers) and every router (readers).
+
+Routers in different processes (the ingress replicas, a driver's handle) stay
+consistent because they all ask this actor, which answers one call at a time:
+choosing a replica and recording the chain there speculatively is one atomic
+call (`route`). Engines push their KV events and load here (`publish`) every
+few tens of milliseconds. The actor restarts if it dies; its state then comes
+back from the engines' snapshots (every replica is unknown to the new instance,
+so its next `publish` asks for one).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any
+
+import ray
+
+from spur.cluster.routing.kv_index import BlockHash, KVIndex
+from spur.cluster.routing.policy import Candidate, Weights, choose
+
+INDEX_NAME = "spur-kv-index"
+INDEX_NAMESPACE = "spur"
+MAX_SESSIONS = 100_000
+MATCHED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class KVIndexActor:
+    """Ray actor around KVIndex, plus the routing decision and its counters."""
+
+    def __init__(self, **index_kwargs: Any) -> None:
+        self.index = KVIndex(**index_kwargs)
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.rr: Counter[str] = Counter()
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.matched_hist: Counter[tuple[str, int]] = Counter()
+        self.matched_sum: Counter[str] = Counter()
+        self.counters: Counter[tuple[str, str]] = Counter()
+        self.commands: dict[str, list[str]] = {}
+        self.started = self.index.clock()
+
+    # -- engines ----------------------------------------------------------------------------
+    def register(
+        self, replica_id: str, lane: str, node: str, stats: dict[str, Any] | None = None
+    ) -> None:
+        self.index.register(replica_id, lane, node, stats)
+
+    def start_failed(self, lane: str, node: str, error: str) -> None:
+        self.index.start_failed(lane, node, error)
+
+    def publish(
+        self, replica_id: str, batches: list[dict[str, Any]], stats: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Apply a replica's batches in order (and its heartbeat). Answers
+        {"resync": the replica must send a snapshot, "commands": admin commands
+        queued for it, e.g. "reset_prefix_cache"}."""
+        need = False
+        if not batches:
+            need = self.index.publish(replica_id, -1, stats=stats)
+        for b in batches:
+            need = self.index.publish(
+                replica_id,
+                b["seq"],
+                stored=b.get("stored", ()),
+                removed=b.get("removed", ()),
+                cleared=b.get("cleared", False),
+                stats=stats,
+                sent_at=b.get("time"),
+            )
+            if need:
+                break
+        return {"resync": need, "commands": self.commands.pop(replica_id, [])}
+
+    def queue_command(self, command: str, lane: str | None, replica_id: str | None) -> list[str]:
+        """Queue an admin command for the replicas of `lane` (all lanes: None), or one
+        replica; each runs it within one publish period. Returns their ids."""
+        ids = [
+            rid
+            for rid, r in self.index.replicas.items()
+            if (lane is None or r.lane == lane) and (replica_id is None or rid == replica_id)
+        ]
+        for rid in ids:
+            self.commands.setdefault(rid, []).append(command)
+        return ids
+
+    def resync(self, replica_id: str, seq: int, hashes: list[BlockHash]) -> None:
+        self.index.resync(replica_id, seq, hashes)
+
+    # -- routers ----------------------------------------------------------------------------
+    def route(
+        self,
+        lane: str,
+        replica_ids: list[str],
+        chain: list[BlockHash],
+        weights: dict[str, float],
+        session: str | None = None,
+    ) -> list[str]:
+        """Rank `replica_ids` (Serve's current replicas of the lane) for a request
+        with `chain`, and record the chain at the first one. Replicas the index
+        holds unhealthy go last; unknown ones count as empty and idle."""
+        now = self.index.clock()
+        healthy, sick = [], []
+        for rid in replica_ids:
+            state = self.index.replicas.get(rid)
+            if state is not None and not self.index.healthy(rid, now):
+                sick.append(rid)
+                continue
+            healthy.append(
+                Candidate(
+                    rid,
+                    self.index.match(rid, chain),
+                    state.load if state else 0,
+                    state.stats.kv_usage if state else 0.0,
+                )
+            )
+        if not healthy:
+            self.decisions[(lane, "unhealthy")] += 1
+            return sick
+        affinity = self.sessions.get(session) if session else None
+        decision = choose(healthy, len(chain), Weights(**weights), affinity=affinity)
+        best = decision.ranked[0]
+        self.index.record(best, chain)
+        if session:
+            self.sessions[session] = best
+            self.sessions.move_to_end(session)
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        self.decisions[(lane, decision.reason)] += 1
+        self.matched_sum[lane] += decision.matched_blocks
+        bucket = next((b for b in MATCHED_BUCKETS if decision.matched_blocks <= b), -1)
+        self.matched_hist[(lane, bucket)] += 1
+        return decision.ranked + sick
+
+    def routed_elsewhere(self, replica_id: str, chain: list[BlockHash]) -> None:
+        """Serve sent the request to another replica than the first ranked one."""
+        self.index.record(replica_id, chain)
+
+    def round_robin(self, lane: str, replica_ids: list[str]) -> list[str]:
+        """Baseline policy: healthy replicas in turn (shared by every router)."""
+        now = self.index.clock()
+        ok = [r for r in replica_ids if r not in self.index.replicas or self.index.healthy(r, now)]
+        ids = sorted(ok or replica_ids)
+        i = self.rr[lane] % len(ids)
+        self.rr[lane] += 1
+        self.decisions[(lane, "round_robin")] += 1
+        return ids[i:] + ids[:i]
+
+    def report_failure(self, replica_id: str) -> None:
+        self.index.report_failure(replica_id)
+
+    def drop(self, replica_id: str) -> None:
+        self.index.drop(replica_id)
+
+    def count(self, lane: str, name: str, n: int = 1) -> None:
+        """Ingress-side events: failovers, retries, spare fallbacks."""
+        self.counters[(lane, name)] += n
+
+    # -- reading ----------------------------------------------------------------------------
+    def healthy_counts(self, lanes: list[str]) -> dict[str, dict[str, Any]]:
+        """Per lane: healthy replicas and their queued requests (the ingress polls this).
+        Empty while the index is younger than one heartbeat timeout: a restarted
+        index has not heard from the engines yet, which does not make them down."""
+        if self.index.clock() - self.started < self.index.heartbeat_timeout_s:
+            return {}
+        self.index.prune()
+        out = {}
+        for lane in lanes:
+            reps = self.index.healthy_replicas(lane)
+            out[lane] = {
+                "healthy": len(reps),
+                "waiting": [r.stats.num_waiting for r in reps],
+            }
+        return out
+
+    def lanes(self, lanes: list[str]) -> dict[str, Any]:
+        return {lane: self.index.lane_report(lane) for lane in lanes}
+
+    def metrics(self) -> dict[str, Any]:
+        """Routing metrics, JSON-safe (exported as Prometheus metrics later)."""
+        return {
+            "decisions": [
+                {"lane": lane, "reason": reason, "count": n}
+                for (lane, reason), n in sorted(self.decisions.items())
+            ],
+            "matched_blocks": [
+                {"lane": lane, "le": b, "count": n}
+                for (lane, b), n in sorted(self.matched_hist.items())
+            ],
+            "matched_blocks_sum": dict(self.matched_sum),
+            "events": [
+                {"lane": lane, "name": name, "count": n}
+                for (lane, name), n in sorted(self.counters.items())
+            ],
+            "index": self.index.stats(),
+        }
+
+    def holders(self, lane: str, chain: list[BlockHash]) -> dict[str, int]:
+        """Matched blocks of `chain` per replica of `lane` (for tests and debugging)."""
+        return {
+            rid: self.index.match(rid, chain)
+            for rid, r in self.index.replicas.items()
+            if r.lane == lane
+        }
+
+
+def get_index(index_kwargs: dict[str, Any] | None = None) -> Any:
+    """The deployment's index actor, created on first use (on the head node, so that
+    losing a worker node does not lose it)."""
+    remote = ray.remote(KVIndexActor)
+    return remote.options(  # type: ignore[attr-defined]
+        name=INDEX_NAME,
+        namespace=INDEX_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_restarts=-1,
+        # Calls in flight while it restarts are retried on the new instance
+        # (publish is idempotent by sequence number; a doubled count is harmless).
+        max_task_retries=3,
+        max_concurrency=1,
+        resources={"node:__internal_head__": 0.001},
+    ).remote(**(index_kwargs or {}))
+
+
+def kill_index() -> None:
+    """Stop the index actor if it runs (on `spur serve` shutdown and in tests)."""
+    try:
+        actor = ray.get_actor(INDEX_NAME, namespace=INDEX_NAMESPACE)
+    except ValueError:
+        return
+    ray.kill(actor, no_restart=True)
+
+
+def index_kwargs_of(router: dict[str, Any]) -> dict[str, Any]:
+    """KVIndex settings from a RouterConfig dict."""
+    return {
+        "heartbeat_timeout_s": max(1.0, 3 * router["stats_period_s"]),
+        "healthy_after_s": router["failover_healthy_after_s"],
+    }

@@ -1,0 +1,333 @@
+"""The cluster's view of which engine replica holds which KV blocks, and how loaded
+and healthy each one is (pure Python; the Ray actor in `index_actor.py` wraps it).
+
+Engines publish batches of KV events, each with a sequence number per replica:
+
+    publish(replica, seq, stored=[h...], removed=[h...], cleared=False, stats)
+
+Batches must arrive in order (seq = last + 1). A gap (a lost batch, a restarted
+index) makes the replica "unsynced": `publish` answers `need_snapshot=True`, its
+events are ignored, and the engine sends `resync(replica, seq, hashes)` with every
+hash it holds as of batch `seq`; later batches apply on top. Routers read through
+`match` (longest consecutive prefix of a chain that a replica holds) and write
+speculatively through `record` (a chain just routed there, so a burst with one
+prefix does not spread before real events land; the engine's own events replace
+it: an eviction removes the hash, a reset clears it).
+
+Health: a replica is healthy while it heartbeats (every publish is one) within
+`heartbeat_timeout_s` and no caller reported it failed since its last heartbeat.
+Start failures are counted per (lane, node); `restart_loop_threshold` of them
+within `restart_window_s` mark that slot down until a replica there has been
+healthy for `healthy_after_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+BlockHash = bytes
+
+
+@dataclass
+class ReplicaStats:
+    """Load as last reported by the engine."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_hits_total: int = 0
+    prefix_queries_total: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplicaStats:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class ReplicaState:
+    """What the index knows of one engine replica."""
+
+    replica_id: str
+    lane: str
+    node: str
+    hashes: set[BlockHash] = field(default_factory=set)
+    last_seq: int = -1
+    synced: bool = False
+    stats: ReplicaStats = field(default_factory=ReplicaStats)
+    registered_at: float = 0.0
+    last_heartbeat: float = 0.0
+    healthy_since: float = 0.0
+    failed_at: float | None = None
+    routed_since_heartbeat: int = 0
+    speculative: int = 0
+
+    @property
+    def load(self) -> int:
+        """Running + waiting requests, plus those routed here since its last report."""
+        return self.stats.num_running + self.stats.num_waiting + self.routed_since_heartbeat
+
+
+@dataclass
+class _Slot:
+    """Start history of one lane on one node (replicas come and go; the slot stays)."""
+
+    failures: deque[float] = field(default_factory=deque)
+    restarts: int = 0
+    last_replica: str | None = None
+    last_error: str | None = None
+
+
+class KVIndex:
+    """Per lane, per replica: held block hashes, load, health. Not thread-safe
+    (the actor runs one call at a time)."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat_timeout_s: float = 3.0,
+        healthy_after_s: float = 5.0,
+        restart_loop_threshold: int = 3,
+        restart_window_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.healthy_after_s = healthy_after_s
+        self.restart_loop_threshold = restart_loop_threshold
+        self.restart_window_s = restart_window_s
+        self.clock = clock
+        self.replicas: dict[str, ReplicaState] = {}
+        self.slots: dict[tuple[str, str], _Slot] = {}
+        self.num_events = 0
+        self.num_gaps = 0
+        self.num_snapshots = 0
+        self.last_event_lag_s = 0.0
+
+    # -- engine side ----------------------------------------------------------------------
+    def register(
+        self, replica_id: str, lane: str, node: str, stats: dict[str, Any] | None = None
+    ) -> None:
+        """A replica finished starting on `node` (counts as a restart of the slot
+        when an earlier replica ran there); `stats` is its load so far, if any."""
+        if replica_id in self.replicas:  # re-registering after an index restart
+            return
+        now = self.clock()
+        slot = self.slots.setdefault((lane, node), _Slot())
+        if slot.last_replica is not None:  # an earlier replica ran here (dropped or not)
+            slot.restarts += 1
+        slot.last_replica = replica_id
+        # A new replica on a node replaces any earlier one of the lane there.
+        for rid in [
+            r.replica_id for r in self.replicas.values() if r.lane == lane and r.node == node
+        ]:
+            del self.replicas[rid]
+        self.replicas[replica_id] = ReplicaState(
+            replica_id, lane, node, registered_at=now, last_heartbeat=now, healthy_since=now
+        )
+        if stats is not None:
+            self.replicas[replica_id].stats = ReplicaStats.from_dict(stats)
+
+    def start_failed(self, lane: str, node: str, error: str) -> None:
+        """A replica of `lane` failed in its constructor on `node`."""
+        now = self.clock()
+        slot = self.slots.setdefault((lane, node), _Slot())
+        slot.failures.append(now)
+        slot.restarts += 1
+        slot.last_error = error[-500:]
+        while slot.failures and slot.failures[0] < now - self.restart_window_s:
+            slot.failures.popleft()
+
+    def publish(
+        self,
+        replica_id: str,
+        seq: int,
+        *,
+        stored: Sequence[BlockHash] = (),
+        removed: Sequence[BlockHash] = (),
+        cleared: bool = False,
+        stats: dict[str, Any] | None = None,
+        sent_at: float | None = None,
+    ) -> bool:
+        """Apply one batch (and heartbeat). Returns True when the replica must send a
+        snapshot (`resync`): unknown replica, never synced, or a sequence gap."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return True
+        self._heartbeat(state, stats)
+        if sent_at is not None:
+            self.last_event_lag_s = max(0.0, time.time() - sent_at)
+        if not state.synced:
+            return True
+        if seq <= state.last_seq:  # a duplicate, or already covered by a snapshot
+            return False
+        if seq != state.last_seq + 1:
+            self.num_gaps += 1
+            state.synced = False
+            return True
+        state.last_seq = seq
+        if cleared:
+            state.hashes.clear()
+        state.hashes.update(stored)
+        state.hashes.difference_update(removed)
+        self.num_events += len(stored) + len(removed) + int(cleared)
+        return False
+
+    def resync(self, replica_id: str, seq: int, hashes: Iterable[BlockHash]) -> None:
+        """Replace a replica's hashes with a snapshot taken after batch `seq`."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return
+        state.hashes = set(hashes)
+        state.last_seq = seq
+        state.synced = True
+        self.num_snapshots += 1
+
+    def _heartbeat(self, state: ReplicaState, stats: dict[str, Any] | None) -> None:
+        now = self.clock()
+        if not self._alive(state, now):
+            state.healthy_since = now
+        state.last_heartbeat = now
+        state.failed_at = None
+        state.routed_since_heartbeat = 0
+        if stats is not None:
+            state.stats = ReplicaStats.from_dict(stats)
+
+    # -- router side ----------------------------------------------------------------------
+    def match(self, replica_id: str, chain: Sequence[BlockHash]) -> int:
+        """Leading blocks of `chain` that the replica holds (consecutive from 0)."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return 0
+        held = state.hashes
+        n = 0
+        for h in chain:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def record(self, replica_id: str, chain: Sequence[BlockHash]) -> None:
+        """A request with `chain` was just routed to the replica: count it as load and
+        its blocks as held until the engine's events say otherwise."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return
+        state.routed_since_heartbeat += 1
+        new = [h for h in chain if h not in state.hashes]
+        state.hashes.update(new)
+        state.speculative += len(new)
+
+    def report_failure(self, replica_id: str) -> None:
+        """A caller saw the replica fail (its actor died mid-request)."""
+        state = self.replicas.get(replica_id)
+        if state is not None:
+            state.failed_at = self.clock()
+
+    def prune(self, silent_for_s: float = 600.0) -> list[str]:
+        """Forget replicas that have not reported for `silent_for_s` (gone without a
+        router noticing, e.g. after a restart of the whole deployment)."""
+        now = self.clock()
+        gone = [rid for rid, r in self.replicas.items() if now - r.last_heartbeat > silent_for_s]
+        for rid in gone:
+            del self.replicas[rid]
+        return gone
+
+    def drop(self, replica_id: str) -> None:
+        """Forget a replica (its actor is gone): its events and hashes go with it."""
+        self.replicas.pop(replica_id, None)
+
+    # -- health ---------------------------------------------------------------------------
+    def _alive(self, state: ReplicaState, now: float) -> bool:
+        return state.failed_at is None and now - state.last_heartbeat <= self.heartbeat_timeout_s
+
+    def slot_down(self, lane: str, node: str, now: float | None = None) -> bool:
+        """A restart loop on (lane, node): too many start failures in the window, and
+        no replica there healthy for `healthy_after_s` since."""
+        now = self.clock() if now is None else now
+        slot = self.slots.get((lane, node))
+        if slot is None:
+            return False
+        while slot.failures and slot.failures[0] < now - self.restart_window_s:
+            slot.failures.popleft()
+        if len(slot.failures) < self.restart_loop_threshold:
+            return False
+        for r in self.replicas.values():
+            recovered = (
+                (r.lane, r.node) == (lane, node)
+                and self._alive(r, now)
+                and r.healthy_since >= slot.failures[-1]
+                and now - r.healthy_since >= self.healthy_after_s
+            )
+            if recovered:
+                slot.failures.clear()
+                return False
+        return True
+
+    def healthy(self, replica_id: str, now: float | None = None) -> bool:
+        now = self.clock() if now is None else now
+        state = self.replicas.get(replica_id)
+        if state is None or not self._alive(state, now):
+            return False
+        return not self.slot_down(state.lane, state.node, now)
+
+    def healthy_replicas(self, lane: str) -> list[ReplicaState]:
+        now = self.clock()
+        return [
+            r for r in self.replicas.values() if r.lane == lane and self.healthy(r.replica_id, now)
+        ]
+
+    def lane_report(self, lane: str) -> dict[str, Any]:
+        """Per replica and per slot (JSON-safe): what `GET /admin/lanes` shows."""
+        now = self.clock()
+        replicas = []
+        for r in self.replicas.values():
+            if r.lane != lane:
+                continue
+            slot = self.slots.get((lane, r.node), _Slot())
+            replicas.append(
+                {
+                    "replica_id": r.replica_id,
+                    "node": r.node,
+                    "healthy": self.healthy(r.replica_id, now),
+                    "seconds_since_heartbeat": round(now - r.last_heartbeat, 3),
+                    "queue": r.stats.num_waiting,
+                    "running": r.stats.num_running,
+                    "kv_usage": r.stats.kv_usage,
+                    "blocks_held": r.stats.num_blocks - r.stats.num_free_blocks - 1
+                    if r.stats.num_blocks
+                    else 0,
+                    "cached_hashes": len(r.hashes),
+                    "prefix_hits_total": r.stats.prefix_hits_total,
+                    "prefix_queries_total": r.stats.prefix_queries_total,
+                    "synced": r.synced,
+                    "restarts": slot.restarts,
+                }
+            )
+        down = []
+        for (slot_lane, node), slot in self.slots.items():
+            if slot_lane == lane and self.slot_down(lane, node, now):
+                down.append(
+                    {
+                        "node": node,
+                        "restarts": slot.restarts,
+                        "recent_start_failures": len(slot.failures),
+                        "last_error": slot.last_error,
+                    }
+                )
+        return {"replicas": replicas, "down_slots": down}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "replicas": len(self.replicas),
+            "hashes": sum(len(r.hashes) for r in self.replicas.values()),
+            "events_applied": self.num_events,
+            "sequence_gaps": self.num_gaps,
+            "snapshots": self.num_snapshots,
+            "event_lag_s": self.last_event_lag_s,
+        }

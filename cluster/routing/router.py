@@ -1,0 +1,106 @@
+"""Ray Serve request routers for the engine deployments.
+
+Serve runs one router per deployment handle, in the process that holds the
+handle (the ingress replicas; a driver's handle in tests). `choose_replicas`
+returns ranked groups of one replica each: Serve tries the first, and moves on
+only when that one's queue is full (`max_ongoing_requests`).
+
+- `PrefixRouter`: the request's block-hash chain (computed in the ingress with
+  the engine's own hasher and seed, `payload["block_hashes"]`) is ranked by the
+  shared KV index (`index_actor.KVIndexActor.route`), which also records it at
+  the chosen replica at once.
+- `RoundRobinRouter`: the baseline; the turn is kept in the index too, so two
+  routers do not both start at replica 0.
+Serve's default (power of two choices) is the third policy; it needs no class.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from spur.cluster.routing.index_actor import get_index
+
+logger = logging.getLogger(__name__)
+
+
+def _payload(pending: PendingRequest | None) -> dict[str, Any]:
+    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+        return {}
+    return pending.args[0]
+
+
+class _IndexRouter(RequestRouter):
+    lane: str = ""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.lane = kwargs.get("lane", "")
+        self.weights = dict(kwargs.get("weights", {}))
+        self.index = get_index(kwargs.get("index_kwargs"))
+        # request id -> the replica ranked first (bounded: a request cancelled
+        # before it was routed never pops its entry).
+        self.first_choice: OrderedDict[str, str] = OrderedDict()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.drop.remote(replica_id.unique_id)
+
+    def _by_id(self, candidates: list[RunningReplica]) -> dict[str, RunningReplica]:
+        return {r.replica_id.unique_id: r for r in candidates}
+
+
+class PrefixRouter(_IndexRouter):
+    """Longest cached prefix, balanced against load (see `routing/policy.py`)."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        payload = _payload(pending_request)
+        chain = payload.get("block_hashes") or []
+        by_id = self._by_id(candidate_replicas)
+        try:
+            ranked = await self.index.route.remote(
+                self.lane, list(by_id), chain, self.weights, payload.get("session")
+            )
+        except Exception as exc:  # index restarting: fall back to every replica at once
+            logger.warning("KV index unavailable (%s); routing by queue length", exc)
+            return [candidate_replicas]
+        if pending_request is not None and ranked:
+            self.first_choice[pending_request.metadata.internal_request_id] = ranked[0]
+            while len(self.first_choice) > 10_000:
+                self.first_choice.popitem(last=False)
+        return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        first = self.first_choice.pop(pending_request.metadata.internal_request_id, None)
+        chosen = replica_id.unique_id
+        if first is not None and first != chosen:
+            chain = _payload(pending_request).get("block_hashes") or []
+            self.index.routed_elsewhere.remote(chosen, chain)
+
+
+class RoundRobinRouter(_IndexRouter):
+    """Healthy replicas in turn, the turn shared through the index."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = self._by_id(candidate_replicas)
+        try:
+            ranked = await self.index.round_robin.remote(self.lane, list(by_id))
+        except Exception:
+            return [candidate_replicas]
+        return [[by_id[rid]] for rid in ranked if rid in by_id]

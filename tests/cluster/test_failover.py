@@ -1,0 +1,252 @@
+"""EngineStream: retries before the first token, continuation after a break."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from spur.cluster.errors import ProtocolError, bad_request, queue_full, service_unavailable
+from spur.cluster.failover import EngineStream, is_retriable
+
+
+class ActorDiedError(Exception):
+    pass
+
+
+def delta(tok: int, rid: str = "r1", finish: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "delta",
+        "index": 0,
+        "token_ids": [tok],
+        "text": str(tok),
+        "finish_reason": finish,
+        "replica_id": rid,
+    }
+
+
+def final(rid: str = "r1") -> dict[str, Any]:
+    return {"type": "final", "replica_id": rid}
+
+
+class FakeGen:
+    """Yields `items`, then raises `exc` if given (else stops)."""
+
+    def __init__(self, items: list[dict[str, Any]], exc: BaseException | None = None) -> None:
+        self.items = list(items)
+        self.exc = exc
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeGen:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.items:
+            return self.items.pop(0)
+        if self.exc is not None:
+            raise self.exc
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Opener:
+    """Per call, the next entry of `script`: an exception to raise, or a FakeGen."""
+
+    def __init__(self, *script: BaseException | FakeGen) -> None:
+        self.script = list(script)
+        self.payloads: list[dict[str, Any]] = []
+        self.attempts: list[int] = []
+
+    async def __call__(self, payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
+        self.payloads.append(payload)
+        self.attempts.append(attempt)
+        step = self.script.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        return step, await step.__anext__()
+
+
+PAYLOAD = {
+    "request_id": "req",
+    "prompt_token_ids": [1, 2, 3],
+    "sampling_params": {"max_tokens": 10, "min_tokens": 1, "n": 1},
+    "block_hashes": ["h1"],
+}
+
+
+def run(opener: Opener, payload: dict[str, Any] = PAYLOAD, max_attempts: int = 3):
+    """Start and drain a stream; returns (items, events, stream)."""
+    events: list[tuple[str, str | None]] = []
+    stream = EngineStream(
+        opener,
+        payload,
+        max_attempts=max_attempts,
+        on_event=lambda name, rid: events.append((name, rid)),
+        backoff_s=0,
+    )
+
+    async def drain() -> list[dict[str, Any]]:
+        items = [await stream.start()]
+        items += [item async for item in stream]
+        return items
+
+    return asyncio.run(drain()), events, stream
+
+
+def tokens(items: list[dict[str, Any]]) -> list[int]:
+    return [t for it in items if it["type"] == "delta" for t in it["token_ids"]]
+
+
+def test_is_retriable():
+    assert is_retriable(ActorDiedError())
+    assert is_retriable(service_unavailable("engine died"))
+    assert not is_retriable(bad_request("bad"))
+    assert not is_retriable(ProtocolError(503, "busy", code="queue_full"))
+    assert not is_retriable(queue_full(1.0))
+    assert not is_retriable(ValueError("x"))
+
+
+def test_retry_before_first_token():
+    ok = FakeGen([delta(7, "r2"), final("r2")])
+    opener = Opener(ActorDiedError("gone"), ok)
+    items, events, stream = run(opener)
+    assert items[0] == delta(7, "r2")
+    assert tokens(items) == [7]
+    assert items[-1]["type"] == "final"
+    assert ("retry", None) in events
+    assert opener.attempts == [0, 1]
+    assert stream.replica_id == "r2"
+
+
+def test_every_attempt_fails_503_naming_attempts():
+    opener = Opener(*(ActorDiedError() for _ in range(3)))
+    with pytest.raises(ProtocolError) as info:
+        run(opener)
+    assert info.value.status == 503
+    assert "3 attempts" in info.value.message
+    assert "ActorDiedError" in info.value.message
+    assert len(opener.payloads) == 3
+
+
+def test_non_retriable_error_propagates_at_once():
+    opener = Opener(bad_request("bad prompt"), FakeGen([final()]))
+    with pytest.raises(ProtocolError) as info:
+        run(opener)
+    assert info.value.status == 400
+    assert len(opener.payloads) == 1
+
+
+def test_break_after_tokens_continues_elsewhere():
+    broken = FakeGen([delta(10), delta(11)], ActorDiedError("died"))
+    rest = FakeGen([delta(12, "r2"), delta(13, "r2", finish="stop"), final("r2")])
+    opener = Opener(broken, rest)
+    items, events, stream = run(opener)
+    assert tokens(items) == [10, 11, 12, 13]
+    assert items[-1]["type"] == "final"
+    assert broken.cancelled
+    cont = opener.payloads[1]
+    assert cont["prompt_token_ids"] == [1, 2, 3, 10, 11]
+    assert cont["sampling_params"]["max_tokens"] == 8
+    assert cont["sampling_params"]["min_tokens"] == 0
+    assert cont["sampling_params"]["n"] == 1
+    assert cont["request_id"] == "req-c1"
+    assert "block_hashes" not in cont
+    assert PAYLOAD["prompt_token_ids"] == [1, 2, 3]  # the original is untouched
+    assert ("replica_failed", "r1") in events
+    assert ("failover", "r1") in events
+    assert stream.continuations == 1
+
+
+def test_second_break_continues_again_from_the_original_prompt():
+    opener = Opener(
+        FakeGen([delta(10)], ActorDiedError()),
+        FakeGen([delta(11, "r2")], ActorDiedError()),
+        FakeGen([delta(12, "r3", finish="length"), final("r3")]),
+    )
+    items, events, _ = run(opener)
+    assert tokens(items) == [10, 11, 12]
+    last = opener.payloads[2]
+    assert last["request_id"] == "req-c2"
+    assert last["prompt_token_ids"] == [1, 2, 3, 10, 11]
+    assert last["sampling_params"]["max_tokens"] == 8
+    assert [e for e in events if e[0] == "replica_failed"] == [
+        ("replica_failed", "r1"),
+        ("replica_failed", "r2"),
+    ]
+
+
+def test_break_with_n2_ends_with_error_item():
+    payload = {**PAYLOAD, "sampling_params": {"max_tokens": 10, "n": 2}}
+    opener = Opener(FakeGen([delta(10), delta(11)], ActorDiedError()))
+    items, _, _ = run(opener, payload)
+    assert tokens(items) == [10, 11]
+    errors = [it for it in items if it["type"] == "error"]
+    assert len(errors) == 1
+    assert items[-1] is errors[0]
+    assert errors[0]["status"] == 503
+    assert len(opener.payloads) == 1
+
+
+def test_break_after_finished_delta_ends_cleanly():
+    opener = Opener(FakeGen([delta(10), delta(11, finish="stop")], ActorDiedError()))
+    items, events, _ = run(opener)
+    assert tokens(items) == [10, 11]
+    assert all(it["type"] == "delta" for it in items)
+    assert len(opener.payloads) == 1
+    assert ("failover", "r1") not in events
+
+
+def test_midstream_503_error_item_is_a_break():
+    err = {"type": "error", "status": 503, "message": "engine died", "replica_id": "r1"}
+    opener = Opener(
+        FakeGen([delta(10), err, delta(99)]),
+        FakeGen([delta(11, "r2", finish="stop"), final("r2")]),
+    )
+    items, events, _ = run(opener)
+    assert tokens(items) == [10, 11]
+    assert not any(it["type"] == "error" for it in items)
+    assert opener.payloads[1]["prompt_token_ids"] == [1, 2, 3, 10]
+    assert ("failover", "r1") in events
+
+
+def test_midstream_non_503_error_item_passes_through():
+    err = {"type": "error", "status": 400, "message": "bad", "replica_id": "r1"}
+    opener = Opener(FakeGen([delta(10), err]))
+    items, _, stream = run(opener)
+    assert items[-1] == err
+    assert stream.finished
+    assert len(opener.payloads) == 1
+
+
+def test_continuation_nowhere_yields_error_naming_tokens_sent():
+    opener = Opener(
+        FakeGen([delta(10), delta(11), delta(12)], ActorDiedError()),
+        ActorDiedError(),
+        ActorDiedError(),
+    )
+    items, _, _ = run(opener, max_attempts=2)
+    assert tokens(items) == [10, 11, 12]
+    assert items[-1]["type"] == "error"
+    assert items[-1]["status"] == 503
+    assert "after 3 tokens" in items[-1]["message"]
+    assert len(opener.payloads) == 3
+
+
+def test_non_retriable_midstream_exception_propagates():
+    opener = Opener(FakeGen([delta(10)], ValueError("bug")))
+    with pytest.raises(ValueError):
+        run(opener)
+    assert len(opener.payloads) == 1
+
+
+def test_error_item_is_the_last_item():
+    payload = {**PAYLOAD, "sampling_params": {"max_tokens": 10, "n": 2}}
+    err = {"type": "error", "status": 503, "message": "engine died", "replica_id": "r1"}
+    items, events, _ = run(Opener(FakeGen([delta(10), err, delta(99)])), payload)
+    assert items[-1]["type"] == "error"
+    assert tokens(items) == [10]
+    items, events, _ = run(Opener(FakeGen([delta(10)], ActorDiedError())), payload)
+    assert events == [("replica_failed", "r1")]

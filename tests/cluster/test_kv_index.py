@@ -1,0 +1,281 @@
+"""KVIndex (pure Python): event ordering, prefix match, load, health, restart loops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spur.cluster.routing.kv_index import KVIndex
+
+A, B, C, D = b"a", b"b", b"c", b"d"
+
+
+@pytest.fixture
+def t() -> list[float]:
+    return [100.0]
+
+
+def make(t: list[float], **kw: Any) -> KVIndex:
+    return KVIndex(clock=lambda: t[0], **kw)
+
+
+def synced(t: list[float], rid: str = "r1", lane: str = "L", node: str = "n1") -> KVIndex:
+    idx = make(t)
+    idx.register(rid, lane, node)
+    idx.resync(rid, 0, [A])
+    return idx
+
+
+# -- events ----------------------------------------------------------------------------
+
+
+def test_publish_before_snapshot_asks_for_one(t):
+    idx = make(t)
+    idx.register("r1", "L", "n1")
+    assert idx.publish("r1", 0, stored=[A]) is True
+    assert idx.match("r1", [A]) == 0  # ignored until resync
+
+
+def test_publish_for_unknown_replica_asks_for_snapshot(t):
+    assert make(t).publish("ghost", 0, stored=[A]) is True
+
+
+def test_in_order_batches_apply_after_resync(t):
+    idx = synced(t)
+    assert idx.stats()["snapshots"] == 1
+    assert idx.publish("r1", 1, stored=[B, C]) is False
+    assert idx.match("r1", [A, B, C]) == 3
+    assert idx.publish("r1", 2, removed=[C]) is False
+    assert idx.match("r1", [A, B, C]) == 2
+    # cleared applies first, then stored
+    assert idx.publish("r1", 3, stored=[D], cleared=True) is False
+    assert idx.replicas["r1"].hashes == {D}
+    assert idx.stats()["events_applied"] == 2 + 1 + 2
+
+
+def test_gap_unsyncs_until_resync(t):
+    idx = synced(t)
+    assert idx.publish("r1", 2, stored=[B]) is True  # seq 1 lost
+    assert idx.num_gaps == 1
+    assert idx.publish("r1", 3, stored=[C]) is True  # ignored while unsynced
+    assert idx.match("r1", [A, B]) == 1
+    assert idx.replicas["r1"].hashes == {A}
+    idx.resync("r1", 3, [A, B, C])
+    assert idx.publish("r1", 4, stored=[D]) is False
+    assert idx.match("r1", [A, B, C, D]) == 4
+    assert idx.stats()["sequence_gaps"] == 1
+
+
+def test_duplicates_are_ignored(t):
+    idx = synced(t)
+    assert idx.publish("r1", 1, stored=[B]) is False
+    assert idx.publish("r1", 1, removed=[B]) is False
+    assert idx.publish("r1", 0, removed=[A]) is False
+    assert idx.match("r1", [A, B]) == 2
+
+
+def test_match_counts_only_leading_run(t):
+    idx = make(t)
+    idx.register("r1", "L", "n1")
+    idx.resync("r1", 0, [A, C])
+    assert idx.match("r1", [A, B, C]) == 1
+    assert idx.match("r1", [B, A]) == 0
+    assert idx.match("nobody", [A]) == 0
+
+
+def test_record_is_speculative_load_reset_by_heartbeat(t):
+    idx = synced(t)
+    idx.record("r1", [A, B, C])
+    idx.record("r1", [A, B])
+    r = idx.replicas["r1"]
+    assert idx.match("r1", [A, B, C]) == 3
+    assert r.speculative == 2  # A was already held
+    assert r.routed_since_heartbeat == 2
+    assert r.load == 2
+    idx.publish("r1", 1, stats={"num_running": 3, "num_waiting": 1})
+    assert r.routed_since_heartbeat == 0
+    assert r.load == 4
+
+
+# -- health ----------------------------------------------------------------------------
+
+
+def test_heartbeat_timeout(t):
+    idx = make(t, heartbeat_timeout_s=3.0)
+    idx.register("r1", "L", "n1")
+    assert idx.healthy("r1")
+    t[0] += 3.0
+    assert idx.healthy("r1")
+    t[0] += 0.5
+    assert not idx.healthy("r1")
+    idx.publish("r1", 0)
+    assert idx.healthy("r1")
+
+
+def test_report_failure_until_next_publish(t):
+    idx = make(t)
+    idx.register("r1", "L", "n1")
+    idx.report_failure("r1")
+    assert not idx.healthy("r1")
+    idx.publish("r1", 0)
+    assert idx.healthy("r1")
+
+
+def test_drop_forgets(t):
+    idx = synced(t)
+    idx.drop("r1")
+    assert not idx.healthy("r1")
+    assert idx.match("r1", [A]) == 0
+    assert idx.publish("r1", 1) is True
+    assert idx.stats()["replicas"] == 0
+
+
+def test_new_replica_on_same_slot_replaces_old_and_counts_restart(t):
+    idx = synced(t)
+    idx.register("r1", "L", "n1")  # same id: no-op
+    assert idx.replicas["r1"].synced
+    assert idx.lane_report("L")["replicas"][0]["restarts"] == 0
+    idx.register("r2", "L", "n1")
+    assert set(idx.replicas) == {"r2"}
+    [rep] = idx.lane_report("L")["replicas"]
+    assert rep["replica_id"] == "r2"
+    assert rep["restarts"] == 1
+    idx.register("r3", "L", "n2")  # other node: no replacement
+    assert set(idx.replicas) == {"r2", "r3"}
+
+
+def test_restart_loop_marks_slot_down(t):
+    idx = make(t, restart_loop_threshold=3, restart_window_s=60.0)
+    for _ in range(2):
+        idx.start_failed("L", "n1", "boom")
+        t[0] += 1
+    assert not idx.slot_down("L", "n1")
+    idx.start_failed("L", "n1", "boom3")
+    assert idx.slot_down("L", "n1")
+    assert not idx.slot_down("L", "n2")
+    assert not idx.slot_down("other", "n1")
+    [down] = idx.lane_report("L")["down_slots"]
+    assert down["node"] == "n1"
+    assert down["recent_start_failures"] == 3
+    assert down["last_error"] == "boom3"
+    assert down["restarts"] == 3
+
+
+def test_restart_loop_window_expires(t):
+    idx = make(t, restart_loop_threshold=3, restart_window_s=60.0)
+    idx.start_failed("L", "n1", "e")
+    t[0] += 30
+    idx.start_failed("L", "n1", "e")
+    idx.start_failed("L", "n1", "e")
+    assert idx.slot_down("L", "n1")
+    t[0] += 30.5  # the first failure is now older than the window
+    assert not idx.slot_down("L", "n1")
+
+
+def test_restart_loop_cleared_by_replica_healthy_long_enough(t):
+    idx = make(t, restart_loop_threshold=2, healthy_after_s=5.0, heartbeat_timeout_s=3.0)
+    idx.start_failed("L", "n1", "e")
+    idx.start_failed("L", "n1", "e")
+    t[0] += 1
+    idx.register("r1", "L", "n1")
+    assert not idx.healthy("r1")  # alive, but its slot is down
+    assert idx.healthy_replicas("L") == []
+    for _ in range(4):
+        t[0] += 1
+        idx.publish("r1", 0)
+        assert idx.slot_down("L", "n1")
+    t[0] += 1  # 5 s healthy since registering
+    idx.publish("r1", 0)
+    assert not idx.slot_down("L", "n1")
+    assert idx.healthy("r1")
+    assert idx.lane_report("L")["down_slots"] == []
+
+
+def test_restart_loop_not_cleared_by_replica_that_missed_heartbeats(t):
+    idx = make(t, restart_loop_threshold=2, healthy_after_s=5.0, heartbeat_timeout_s=3.0)
+    idx.start_failed("L", "n1", "e")
+    idx.start_failed("L", "n1", "e")
+    t[0] += 1
+    idx.register("r1", "L", "n1")
+    t[0] += 4  # heartbeat missed
+    idx.publish("r1", 0)  # healthy again from now
+    t[0] += 2
+    idx.publish("r1", 0)
+    assert idx.slot_down("L", "n1")  # 6 s since registering, only 2 since healthy
+    t[0] += 3
+    idx.publish("r1", 0)
+    assert not idx.slot_down("L", "n1")
+
+
+# -- reports ---------------------------------------------------------------------------
+
+
+def test_lane_report_and_stats_fields(t):
+    idx = synced(t)
+    idx.publish(
+        "r1",
+        1,
+        stored=[B],
+        stats={
+            "num_waiting": 2,
+            "num_running": 1,
+            "kv_usage": 0.25,
+            "num_blocks": 100,
+            "num_free_blocks": 60,
+            "unknown_key": 1,
+        },
+    )
+    idx.register("x", "other", "n1")
+    report = idx.lane_report("L")
+    assert set(report) == {"replicas", "down_slots"}
+    [rep] = report["replicas"]
+    assert rep["replica_id"] == "r1"
+    assert rep["healthy"] is True
+    assert rep["queue"] == 2
+    assert rep["running"] == 1
+    assert rep["kv_usage"] == 0.25
+    assert rep["blocks_held"] == 100 - 60 - 1
+    assert rep["cached_hashes"] == 2
+    assert rep["synced"] is True
+    assert rep["restarts"] == 0
+    assert set(idx.stats()) == {
+        "replicas",
+        "hashes",
+        "events_applied",
+        "sequence_gaps",
+        "snapshots",
+        "event_lag_s",
+    }
+    assert idx.stats()["replicas"] == 2
+    assert idx.stats()["hashes"] == 2
+
+
+def test_healthy_replicas_filters_by_lane(t):
+    idx = make(t, heartbeat_timeout_s=3.0)
+    idx.register("a1", "A", "n1")
+    idx.register("b1", "B", "n1")
+    t[0] += 2
+    idx.register("a2", "A", "n2")
+    assert [r.replica_id for r in idx.healthy_replicas("A")] == ["a1", "a2"]
+    assert [r.replica_id for r in idx.healthy_replicas("B")] == ["b1"]
+    t[0] += 2  # a1 timed out, a2 not
+    assert [r.replica_id for r in idx.healthy_replicas("A")] == ["a2"]
+
+
+def test_restart_counted_when_replacement_follows_drop(t):
+    idx = synced(t)
+    idx.drop("r1")  # the router saw the actor die
+    idx.register("r2", "L", "n1")  # Serve's replacement on the same node
+    assert idx.lane_report("L")["replicas"][0]["restarts"] == 1
+
+
+def test_prune_forgets_replicas_silent_for_long() -> None:
+    t = [0.0]
+    index = KVIndex(clock=lambda: t[0])
+    index.register("old", "chat", "n1")
+    t[0] = 500.0
+    index.register("new", "chat", "n2")
+    t[0] = 700.0
+    assert index.prune(600.0) == ["old"]
+    assert set(index.replicas) == {"new"}

@@ -1,0 +1,122 @@
+"""LaneSelector: primary-or-spare with hysteresis (fake clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spur.cluster.lanes import LaneSelector, LaneView
+
+UP = LaneView(healthy=2, waiting=(0, 1))
+DOWN = LaneView(healthy=0)
+
+
+@pytest.fixture
+def t() -> list[float]:
+    return [0.0]
+
+
+def selector(t: list[float]) -> LaneSelector:
+    return LaneSelector(
+        ["chat", "batch"],
+        spare_of={"chat": "chat-spare"},
+        saturation={"chat": 4, "batch": 4},
+        healthy_after_s=5.0,
+        clock=lambda: t[0],
+    )
+
+
+def test_down_moves_to_spare(t):
+    s = selector(t)
+    assert s.update({"chat": UP}) == []
+    assert s.target("chat") == "chat"
+    assert s.update({"chat": DOWN}) == [("chat", "down")]
+    assert s.target("chat") == "chat-spare"
+    assert s.update({"chat": DOWN}) == []  # already there
+
+
+def test_saturated_only_when_every_healthy_replica_is():
+    s = LaneSelector(["chat"], spare_of={"chat": "sp"}, saturation={"chat": 4}, healthy_after_s=5)
+    assert s.usable("chat", LaneView(2, (4, 9))) == (True, "primary")  # 4 is not > 4
+    assert s.update({"chat": LaneView(2, (5, 1))}) == []
+    assert s.update({"chat": LaneView(2, (5, 9))}) == [("chat", "saturated")]
+    assert s.target("chat") == "sp"
+
+
+def test_comes_back_after_healthy_after_s(t):
+    s = selector(t)
+    s.update({"chat": DOWN})
+    t[0] = 1.0
+    assert s.update({"chat": UP}) == []  # usable from t=1
+    t[0] = 5.9
+    assert s.update({"chat": UP}) == []
+    assert s.target("chat") == "chat-spare"
+    t[0] = 6.0
+    assert s.update({"chat": UP}) == [("chat", "primary")]
+    assert s.target("chat") == "chat"
+    assert s.report("chat")["switches"] == 2
+
+
+def test_flap_resets_the_timer(t):
+    s = selector(t)
+    s.update({"chat": DOWN})
+    t[0] = 1.0
+    s.update({"chat": UP})
+    t[0] = 4.0
+    assert s.update({"chat": DOWN}) == []  # still on spare, timer reset
+    t[0] = 5.0
+    s.update({"chat": UP})
+    t[0] = 9.0  # 8 s after the first usable poll, only 4 after the flap
+    assert s.update({"chat": UP}) == []
+    assert s.target("chat") == "chat-spare"
+    t[0] = 10.0
+    assert s.update({"chat": UP}) == [("chat", "primary")]
+
+
+def test_fail_over_now(t):
+    s = selector(t)
+    assert s.fail_over_now("chat") is True
+    assert s.target("chat") == "chat-spare"
+    assert s.report("chat")["reason"] == "down"
+    assert s.fail_over_now("chat") is False  # already on spare
+    assert s.fail_over_now("batch") is False  # no spare
+    assert s.fail_over_now("nope") is False
+    assert s.target("batch") == "batch"
+    # needs the full hysteresis window to come back
+    t[0] = 1.0
+    s.update({"chat": UP})
+    t[0] = 5.0
+    assert s.update({"chat": UP}) == []
+    t[0] = 6.0
+    assert s.update({"chat": UP}) == [("chat", "primary")]
+
+
+def test_lane_without_spare_always_targets_itself(t):
+    s = selector(t)
+    assert s.update({"batch": DOWN, "unknown": DOWN}) == []
+    assert s.target("batch") == "batch"
+    assert s.report("batch") == {
+        "target": "batch",
+        "reason": "down",
+        "spare": None,
+        "switches": 0,
+    }
+    s.update({"batch": UP})
+    assert s.report("batch")["reason"] == "primary"
+
+
+def test_report_fields(t):
+    s = selector(t)
+    assert s.report("chat") == {
+        "target": "chat",
+        "reason": "primary",
+        "spare": "chat-spare",
+        "switches": 0,
+    }
+    s.update({"chat": LaneView(1, (9,))})
+    assert s.report("chat") == {
+        "target": "chat-spare",
+        "reason": "saturated",
+        "spare": "chat-spare",
+        "switches": 1,
+    }
+    assert s.state["chat"].history == [(0.0, "saturated")]

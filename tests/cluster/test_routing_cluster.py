@@ -1,0 +1,534 @@
+"""Prefix-aware routing, lanes with a spare and failover, on a real multi-node Ray
+cluster on this machine (`ray.cluster_utils.Cluster`): a head (ingress x2, KV
+index) and three nodes: two with {"lane-chat": 1} for the chat lane's primaries,
+one with {"spare": 1} for the spare. Tiny random Llama, real HTTP.
+
+Where a request was served is read from the engines themselves: the
+`cached_tokens` an engine reports for the request it served, and each engine's
+prefix-hit counters (relayed unchanged in its heartbeats, `GET /admin/lanes`).
+
+The tests run in file order and share the cluster: the failover tests remove
+nodes for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e.conftest import build_tiny_model, free_port
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+PREFIX_BLOCKS = 20
+
+
+def _engine(model_dir: Path) -> dict[str, Any]:
+    return {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "cache": {"block_size": BLOCK, "num_kv_blocks": 256},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 1024},
+        "parallelism": {"device": "cpu"},
+        "runtime": {"num_threads": 1},
+    }
+
+
+def _config(model_dir: Path, port: int) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "lanes": [
+            {
+                "name": "chat",
+                "replicas": 2,
+                "resources": {"lane-chat": 1},
+                "engine": _engine(model_dir),
+                "max_ongoing_requests": 32,
+                "max_queued_requests": 512,
+            }
+        ],
+        "spare": {
+            "name": "spare",
+            "serves_lanes": ["chat"],
+            "resources": {"spare": 1},
+            "engine": _engine(model_dir),
+            "max_queued_requests": 512,
+        },
+        "router": {"stats_period_s": 0.5, "failover_healthy_after_s": 2.0, "max_attempts": 4},
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "ingress_replicas": 2,
+            "ingress_resources": {"head": 1},
+        },
+    }
+
+
+class Env:
+    def __init__(self, cluster: Any, nodes: dict[str, Any], url: str, model_dir: Path) -> None:
+        self.cluster = cluster
+        self.nodes = nodes
+        self.url = url
+        self.model_dir = model_dir
+        self.http = httpx.Client(base_url=url, timeout=120)
+
+    def lanes(self) -> dict[str, Any]:
+        r = self.http.get("/admin/lanes")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def routing(self) -> dict[str, Any]:
+        return self.http.get("/admin/routing").json()
+
+    def replicas(self, lane: str) -> dict[str, dict[str, Any]]:
+        return {r["replica_id"]: r for r in self.lanes()[lane]["replicas"]}
+
+    def complete(self, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
+        r = self.http.post(
+            "/v1/completions",
+            json={"model": "chat", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_for(self, what: str, check: Any, timeout: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = check()
+            if last:
+                return last
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last}")
+
+
+def _decision_count(routing: dict[str, Any], reason: str) -> int:
+    return sum(d["count"] for d in routing["decisions"] if d["reason"] == reason)
+
+
+def _event_count(routing: dict[str, Any], name: str) -> int:
+    return sum(e["count"] for e in routing["events"] if e["name"] == name)
+
+
+def _cached(body: dict[str, Any]) -> int:
+    return (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="spur-rc-", dir="/tmp")
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from spur.cluster.app import build_app
+    from spur.cluster.routing.index_actor import kill_index
+    from spur.configs.loader import parse_config
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("rc-model") / "tiny")
+    store = 80 * 1024**2
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"head": 4},
+            "object_store_memory": store,
+            "include_dashboard": False,
+        },
+    )
+    nodes = {
+        "a": cluster.add_node(num_cpus=1, resources={"lane-chat": 1}, object_store_memory=store),
+        "b": cluster.add_node(num_cpus=1, resources={"lane-chat": 1}, object_store_memory=store),
+        "spare": cluster.add_node(num_cpus=1, resources={"spare": 1}, object_store_memory=store),
+    }
+    ray.init(address=cluster.address)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        cfg = parse_config(_config(model_dir, port))
+        serve.run(build_app(cfg), name="spur", route_prefix="/")
+        e = Env(cluster, nodes, f"http://127.0.0.1:{port}", model_dir)
+        e.wait_for(
+            "both chat replicas and the spare to heartbeat",
+            lambda: (
+                len([r for r in e.lanes()["chat"]["replicas"] if r["healthy"]]) == 2
+                and len([r for r in e.lanes()["spare"]["replicas"] if r["healthy"]]) == 1
+            ),
+        )
+        yield e
+    finally:
+        try:
+            serve.shutdown()
+            kill_index()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _prefix(seed: int, blocks: int = PREFIX_BLOCKS) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(blocks * BLOCK)]
+
+
+def test_shared_prefix_lands_on_the_replica_that_holds_it(env: Env) -> None:
+    prefix = _prefix(1)
+    before = env.replicas("chat")
+    first = env.complete([*prefix, 7, 8, 9])
+    assert _cached(first) == 0
+    cached = [_cached(env.complete([*prefix, 11 + i, 12 + i, 13 + i])) for i in range(8)]
+    # Every later request found the whole prefix where it went: the engines say so.
+    assert cached == [PREFIX_BLOCKS * BLOCK] * 8, cached
+
+    def settled() -> dict[str, dict[str, Any]] | None:
+        after = env.replicas("chat")
+        hits = {
+            rid: after[rid]["prefix_hits_total"] - before[rid]["prefix_hits_total"] for rid in after
+        }
+        return after if sum(hits.values()) >= 8 * PREFIX_BLOCKS * BLOCK else None
+
+    after = env.wait_for("the engines' hit counters", settled)
+    hits = {
+        rid: after[rid]["prefix_hits_total"] - before[rid]["prefix_hits_total"] for rid in after
+    }
+    queries = {
+        rid: after[rid]["prefix_queries_total"] - before[rid]["prefix_queries_total"]
+        for rid in after
+    }
+    holder = max(hits, key=lambda rid: hits[rid])
+    assert hits[holder] == 8 * PREFIX_BLOCKS * BLOCK
+    other = [rid for rid in hits if rid != holder]
+    assert all(queries[rid] == 0 for rid in other), queries  # nothing went elsewhere
+    assert _decision_count(env.routing(), "prefix") >= 8
+
+
+def test_two_routers_agree(env: Env) -> None:
+    """A driver-side handle (a third router instance, in this process) places a
+    prefix; requests through the two ingress replicas' routers find it there."""
+    from ray import serve
+
+    from spur.actors.engine.hashing import BlockHasher
+
+    prefix = _prefix(2)
+    ids = [*prefix, 5, 6]
+    chain = BlockHasher(BLOCK).chain(ids)
+    handle = serve.get_deployment_handle("engine-chat", app_name="spur")
+
+    async def via_driver() -> str:
+        gen = handle.options(stream=True).generate.remote(
+            {
+                "request_id": "driver-1",
+                "prompt_token_ids": ids,
+                "sampling_params": {"max_tokens": 2, "temperature": 0.0},
+                "block_hashes": chain,
+            }
+        )
+        replica = ""
+        async for item in gen:
+            replica = item.get("replica_id") or replica
+        return replica
+
+    placed = asyncio.run(via_driver())
+    assert placed
+    cached = [_cached(env.complete([*prefix, 21 + i])) for i in range(6)]
+    assert cached == [PREFIX_BLOCKS * BLOCK] * 6, cached
+    # The index (read by every router) holds the chain at that replica only.
+    from spur.cluster.routing.index_actor import get_index
+
+    holders = asyncio.run(_remote(get_index().holders.remote("chat", chain)))
+    assert holders[placed] == len(chain)
+    assert all(n == 0 for rid, n in holders.items() if rid != placed), holders
+
+
+async def _remote(ref: Any) -> Any:
+    return await ref
+
+
+def test_prefix_cache_reset_moves_the_next_request_by_load(env: Env) -> None:
+    prefix = _prefix(3)
+    env.complete([*prefix, 1])
+    assert _cached(env.complete([*prefix, 2])) == PREFIX_BLOCKS * BLOCK
+    holder = max(env.replicas("chat").items(), key=lambda kv: kv[1]["cached_hashes"])[0]
+    r = env.http.post("/admin/reset_prefix_cache", json={"lane": "chat"})
+    assert r.status_code == 200 and holder in r.json()["replica_ids"]
+    env.wait_for(
+        "the reset to reach the index",
+        lambda: all(rep["cached_hashes"] == 0 for rep in env.replicas("chat").values()),
+    )
+    load_before = _decision_count(env.routing(), "load")
+    body = env.complete([*prefix, 3])
+    assert _cached(body) == 0  # nothing held anywhere: the engine computed it all
+    assert _decision_count(env.routing(), "load") == load_before + 1
+    bad = env.http.post("/admin/reset_prefix_cache", json={"lane": "nope"})
+    assert bad.status_code == 404 and "chat" in bad.json()["error"]["message"]
+
+
+def test_a_restarted_index_resyncs_from_the_engines_snapshots(env: Env) -> None:
+    import ray
+
+    from spur.cluster.routing.index_actor import INDEX_NAME, INDEX_NAMESPACE
+
+    prefix = _prefix(6)
+    env.complete([*prefix, 1])
+    ray.kill(ray.get_actor(INDEX_NAME, namespace=INDEX_NAMESPACE), no_restart=False)
+    # Every replica is unknown to the new instance: its next publish asks for a
+    # snapshot, and the index is whole again.
+    env.wait_for(
+        "the replicas to resync",
+        lambda: (
+            sum(r["cached_hashes"] > 0 and r["synced"] for r in env.replicas("chat").values()) >= 1
+            and len(env.replicas("chat")) == 2
+        ),
+    )
+    assert _cached(env.complete([*prefix, 2])) == PREFIX_BLOCKS * BLOCK
+    assert env.routing()["index"]["snapshots"] >= 2
+
+
+def test_a_session_header_keeps_the_session_on_one_replica(env: Env) -> None:
+    time.sleep(1.0)  # two heartbeats: the counters below include every earlier request
+    before = {rid: r["prefix_queries_total"] for rid, r in env.replicas("chat").items()}
+    affinity_before = _decision_count(env.routing(), "affinity")
+    sent = 0
+    for i in range(5):  # unrelated prompts: only the session ties them together
+        prompt = _prefix(200 + i, blocks=2)
+        r = env.http.post(
+            "/v1/completions",
+            headers={"x-session-id": "session-7"},
+            json={"model": "chat", "prompt": prompt, "max_tokens": 2},
+        )
+        assert r.status_code == 200, r.text
+        sent += len(prompt)
+
+    def settled() -> dict[str, int] | None:
+        now = env.replicas("chat")
+        delta = {rid: now[rid]["prefix_queries_total"] - q for rid, q in before.items()}
+        return delta if sum(delta.values()) >= sent else None
+
+    delta = env.wait_for("the engines' counters", settled)
+    assert sorted(delta.values()) == [0, sent], delta  # all on one replica
+    assert _decision_count(env.routing(), "affinity") == affinity_before + 4
+
+
+async def _load(
+    url: str, n: int, concurrency: int, max_tokens: int, started: list[float]
+) -> list[dict[str, Any]]:
+    """`n` streaming requests, `concurrency` at a time; each result says whether the
+    stream was complete (every token, a finish reason, usage, [DONE])."""
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict[str, Any]] = []
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        async with sem:
+            t0 = time.monotonic()
+            started.append(t0)
+            body = {
+                "model": "chat",
+                "prompt": [*_prefix(100 + i % 4, blocks=4), i % 997 + 3, 17],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            out: dict[str, Any] = {"i": i, "status": None, "tokens": 0, "error": None}
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    out["status"] = resp.status_code
+                    done = False
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            done = True
+                            continue
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            out["error"] = chunk["error"]["message"]
+                        elif chunk.get("usage"):
+                            out["tokens"] = chunk["usage"]["completion_tokens"]
+                        elif chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                            out["finish"] = chunk["choices"][0]["finish_reason"]
+                    out["done"] = done
+            except Exception as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            out["latency_s"] = time.monotonic() - t0
+            out["end"] = time.monotonic()
+            results.append(out)
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        await asyncio.gather(*(one(i, client) for i in range(n)))
+    return results
+
+
+def _lost(results: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in results
+        if r["status"] != 200
+        or r["error"]
+        or not r.get("done")
+        or r["tokens"] != max_tokens
+        or r.get("finish") != "length"
+    ]
+
+
+def _run_with_removal(
+    env: Env, node: str, n: int, after: int
+) -> tuple[list[dict[str, Any]], float]:
+    """Run `n` requests at concurrency 16 and remove `node` once `after` started.
+    Returns the results and the time the removal began."""
+    started: list[float] = []
+    removed_at: list[float] = []
+
+    async def main() -> list[dict[str, Any]]:
+        async def remover() -> None:
+            while len(started) < after:
+                await asyncio.sleep(0.02)
+            removed_at.append(time.monotonic())
+            await asyncio.to_thread(env.cluster.remove_node, env.nodes.pop(node))
+
+        task = asyncio.create_task(remover())
+        results = await _load(env.url, n, 16, 16, started)
+        await task
+        return results
+
+    results = asyncio.run(main())
+    return results, removed_at[0]
+
+
+def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
+    results, removed_at = _run_with_removal(env, "a", n=200, after=60)
+    lost = _lost(results, 16)
+    assert not lost, lost[:5]
+    # Failover time: from the node's removal until the index held its replica
+    # unhealthy, and the slowest request that was in flight across it.
+    down = env.wait_for(
+        "the lost replica to be marked unhealthy",
+        lambda: (
+            [r for r in env.lanes()["chat"]["replicas"] if not r["healthy"]]
+            or len(env.lanes()["chat"]["replicas"]) == 1
+        ),
+    )
+    assert down
+    crossing = [
+        r for r in results if r["end"] > removed_at and r["end"] - r["latency_s"] < removed_at
+    ]
+    worst = max(r["latency_s"] for r in crossing)
+    routing = env.routing()
+    print(
+        json.dumps(
+            {
+                "requests": len(results),
+                "lost": len(lost),
+                "in_flight_at_removal": len(crossing),
+                "worst_latency_across_removal_s": round(worst, 3),
+                "median_latency_s": round(
+                    sorted(r["latency_s"] for r in results)[len(results) // 2], 3
+                ),
+                "failovers": _event_count(routing, "failover"),
+                "retries": _event_count(routing, "retry"),
+            }
+        )
+    )
+    assert _event_count(routing, "replica_failed") + _event_count(routing, "retry") >= 1
+
+
+def test_losing_both_primaries_sends_the_lane_to_the_spare(env: Env) -> None:
+    spare_before = sum(r["prefix_queries_total"] for r in env.replicas("spare").values())
+    results, _ = _run_with_removal(env, "b", n=60, after=8)
+    lost = _lost(results, 16)
+    assert not lost, lost[:5]
+    lanes = env.wait_for(
+        "the lane to move to its spare",
+        lambda: env.lanes()["chat"]["target"] == "spare" and env.lanes(),
+    )
+    assert lanes["chat"]["reason"] == "down"
+    assert _event_count(env.routing(), "fallback") >= 1
+    body = env.complete([*_prefix(4), 1], max_tokens=3)
+    assert body["usage"]["completion_tokens"] == 3
+    spare_after = env.wait_for(
+        "the spare's counters",
+        lambda: (
+            (q := sum(r["prefix_queries_total"] for r in env.replicas("spare").values()))
+            > spare_before
+            and q
+        ),
+    )
+    assert spare_after > spare_before
+
+
+def test_a_returning_node_takes_the_traffic_back(env: Env) -> None:
+    env.nodes["c"] = env.cluster.add_node(
+        num_cpus=1, resources={"lane-chat": 1}, object_store_memory=80 * 1024**2
+    )
+    env.wait_for(
+        "a chat replica on the new node",
+        lambda: any(r["healthy"] for r in env.lanes()["chat"]["replicas"]),
+        timeout=120,
+    )
+    env.wait_for(
+        "the lane to return to its primaries", lambda: env.lanes()["chat"]["target"] == "chat"
+    )
+    before = {
+        rid: r["prefix_queries_total"] for rid, r in env.replicas("chat").items() if r["healthy"]
+    }
+    spare_before = sum(r["prefix_queries_total"] for r in env.replicas("spare").values())
+    for i in range(4):
+        env.complete([*_prefix(5), i], max_tokens=2)
+
+    def served() -> bool:
+        now = env.replicas("chat")
+        return sum(now[rid]["prefix_queries_total"] - q for rid, q in before.items()) >= 4 * (
+            PREFIX_BLOCKS * BLOCK
+        )
+
+    env.wait_for("the new primary to serve the requests", served)
+    time.sleep(1.0)  # one more heartbeat of the spare
+    assert sum(r["prefix_queries_total"] for r in env.replicas("spare").values()) == spare_before
+
+
+def test_a_replica_that_fails_on_every_start_is_marked_down(env: Env) -> None:
+    from ray import serve
+
+    from spur.actors.engine.actor import EngineReplica
+    from spur.cluster.routing.index_actor import get_index
+
+    broken = serve.deployment(EngineReplica).options(
+        name="engine-broken",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "resources": {"head": 1}},
+    )
+    args = {"model": str(env.model_dir / "missing"), "device": "cpu", "num_kv_blocks": 16}
+    routing = {"index_kwargs": {}, "stats_period_s": 0.5}
+    serve._run(
+        broken.bind(args, "broken", routing), name="broken", route_prefix=None, _blocking=False
+    )
+    try:
+        index = get_index()
+
+        def down() -> Any:
+            report = asyncio.run(_remote(index.lanes.remote(["broken"])))["broken"]
+            return report["down_slots"] or None
+
+        slots = env.wait_for("the restart loop to be marked down", down, timeout=180)
+        assert slots[0]["recent_start_failures"] >= 3
+        assert "missing" in (slots[0]["last_error"] or "")
+        assert (
+            asyncio.run(_remote(index.healthy_counts.remote(["broken"])))["broken"]["healthy"] == 0
+        )
+    finally:
+        serve.delete("broken", _blocking=False)
