@@ -4,7 +4,7 @@
     spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core|engine [--json]
+    spur bench core|engine|serve|routing [--json]
 
 Misuse (an unknown or repeated subcommand, a missing file, a bad value) is a
 one-line error with the usage and exit status 2, never a traceback.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench")
-BENCHES = ("core", "engine", "serve")
+BENCHES = ("core", "engine", "routing", "serve")
 
 
 class UsageError(Exception):
@@ -113,6 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b.add_argument("--requests", type=_positive, default=None, help="per level")
     serve_b.add_argument("--seed", type=int, default=0)
     serve_b.add_argument("--json", action="store_true")
+    routing = bench_sub.add_parser(
+        "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
+    )
+    routing.add_argument("--model", default="SmolLM2-135M-Instruct")
+    routing.add_argument("--replicas", type=_positive, default=4)
+    routing.add_argument("--block-size", type=_positive, default=16)
+    routing.add_argument("--groups", type=_positive, default=4)
+    routing.add_argument("--users-per-group", type=_positive, default=4)
+    routing.add_argument("--rounds", type=_positive, default=3)
+    routing.add_argument("--system-prompt-tokens", type=int, default=512)
+    routing.add_argument("--question-tokens", type=_positive, default=32)
+    routing.add_argument("--answer-tokens", type=_positive, default=16)
+    routing.add_argument("--request-rate", type=float, default=8.0, help="new users per second")
+    routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument("--arms", default="round_robin,power_of_two,prefix")
+    routing.add_argument("--address", default=None, help="a Ray cluster (default: a local one)")
+    routing.add_argument("--quick", action="store_true", help="a small workload (smoke test)")
+    routing.add_argument("--json", action="store_true")
     engine = bench_sub.add_parser("engine", help="offline engine vs transformers static batches")
     engine.add_argument("--requests", type=_positive, default=64)
     engine.add_argument("--seed", type=int, default=0)
@@ -323,6 +341,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
+    elif args.bench == "routing":
+        from spur.cluster.bench import routing
+        from spur.cluster.bench.workload import WorkloadSpec
+
+        try:
+            spec = WorkloadSpec(
+                groups=args.groups,
+                users_per_group=args.users_per_group,
+                rounds=args.rounds,
+                system_prompt_tokens=args.system_prompt_tokens,
+                question_tokens=args.question_tokens,
+                answer_tokens=args.answer_tokens,
+                request_rate=args.request_rate,
+                seed=args.seed,
+            )
+            result = routing.run(
+                model=args.model,
+                replicas=args.replicas,
+                block_size=args.block_size,
+                spec=spec,
+                arms=tuple(a for a in args.arms.split(",") if a),
+                address=args.address,
+                quick=args.quick,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     elif args.bench == "engine":
         from spur.cluster.bench import engine
 
