@@ -172,10 +172,40 @@ class Ingress:
         if lane.tokenizer is None:
             async with lane.lock:
                 if lane.tokenizer is None:
-                    stats = await lane.handle.stats.remote()
-                    lane.max_model_len = int(stats["max_model_len"])
-                    lane.tokenizer = await asyncio.to_thread(_load_tokenizer, stats["model_dir"])
+                    await self._init_lane(lane)
         return name, lane
+
+    async def _stats(self, name: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        try:
+            return dict(await asyncio.wait_for(self.lanes[name].handle.stats.remote(), timeout_s))
+        except Exception as exc:  # no replica up (yet), or it died while answering
+            logger.warning("no stats from %s: %s", name, exc)
+            return None
+
+    async def _init_lane(self, lane: _Lane) -> None:
+        """Learn a lane's model (tokenizer, max_model_len) from its engines, or from
+        its spare when the primaries are down; check that the spare tokenizes the
+        same way (token ids travel between them), else disable its fallback."""
+        spare = self.selector.spare_of.get(lane.name)
+        stats = await self._stats(lane.name)
+        spare_stats = await self._stats(spare) if spare else None
+        if stats is None and spare_stats is None:
+            raise service_unavailable(
+                f"no engine of lane {lane.name!r} (or its spare) answers yet; retry shortly", 2.0
+            )
+        own = stats or spare_stats
+        assert own is not None
+        lane.max_model_len = int(own["max_model_len"])
+        lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
+        if spare and stats and spare_stats and spare_stats["model_dir"] != stats["model_dir"]:
+            other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
+            if other.get_vocab() != lane.tokenizer.get_vocab():
+                self.selector.disable_spare(
+                    lane.name,
+                    f"spare {spare!r} ({spare_stats['model_dir']}) has another vocabulary than "
+                    f"the lane's model ({stats['model_dir']}): fallback disabled; give the "
+                    "spare a model with the same tokenizer",
+                )
 
     def _note_unknown(self, fields: list[str]) -> None:
         new = [f for f in fields if f not in self._warned_fields]
@@ -225,7 +255,7 @@ class Ingress:
             event.set()
 
     def _on_event(self, lane: str) -> Any:
-        def on_event(name: str, replica_id: str | None) -> None:
+        def on_event(name: str, replica_id: str | None) -> None:  # failover.EngineStream
             self.index.count.remote(lane, name)
             if name == "replica_failed" and replica_id:
                 self.index.report_failure.remote(replica_id)

@@ -51,6 +51,7 @@ class LaneSelector:
         self.healthy_after_s = healthy_after_s
         self.clock = clock
         self.state = {lane: _LaneState() for lane in lanes}
+        self.disabled: dict[str, str] = {}
 
     def usable(self, lane: str, view: LaneView) -> tuple[bool, str]:
         if view.healthy == 0:
@@ -100,6 +101,14 @@ class LaneSelector:
         st.history = [*st.history[-19:], (self.clock(), reason)]
         return True
 
+    def disable_spare(self, lane: str, why: str) -> None:
+        """Stop falling back for `lane` (its spare cannot serve it), saying why."""
+        self.spare_of.pop(lane, None)
+        self.disabled[lane] = why
+        st = self.state.get(lane)
+        if st is not None:
+            st.on_spare = False
+
     def target(self, lane: str) -> str:
         """The deployment (lane or spare name) that should take the lane's next request."""
         st = self.state.get(lane)
@@ -114,4 +123,5 @@ class LaneSelector:
             "reason": st.reason,
             "spare": self.spare_of.get(lane),
             "switches": st.switches,
+            "spare_disabled": self.disabled.get(lane),
         }

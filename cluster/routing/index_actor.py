@@ -153,8 +153,11 @@ class KVIndexActor:
         self.index.drop(replica_id)
 
     def count(self, lane: str, name: str, n: int = 1) -> None:
-        """Ingress-side events: failovers, retries, spare fallbacks."""
+        """Ingress-side events: failovers, retries, spare fallbacks (a fallback is
+        also a routing decision of the lane, reason "fallback")."""
         self.counters[(lane, name)] += n
+        if name == "fallback":
+            self.decisions[(lane, "fallback")] += n
 
     # -- reading ----------------------------------------------------------------------------
     def healthy_counts(self, lanes: list[str]) -> dict[str, dict[str, Any]]:

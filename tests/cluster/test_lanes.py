@@ -99,6 +99,7 @@ def test_lane_without_spare_always_targets_itself(t):
         "reason": "down",
         "spare": None,
         "switches": 0,
+        "spare_disabled": None,
     }
     s.update({"batch": UP})
     assert s.report("batch")["reason"] == "primary"
@@ -111,6 +112,7 @@ def test_report_fields(t):
         "reason": "primary",
         "spare": "chat-spare",
         "switches": 0,
+        "spare_disabled": None,
     }
     s.update({"chat": LaneView(1, (9,))})
     assert s.report("chat") == {
@@ -118,5 +120,17 @@ def test_report_fields(t):
         "reason": "saturated",
         "spare": "chat-spare",
         "switches": 1,
+        "spare_disabled": None,
     }
     assert s.state["chat"].history == [(0.0, "saturated")]
+
+
+def test_disabled_spare_stops_the_fallback_and_says_why(t):
+    s = selector(t)
+    s.update({"chat": DOWN})
+    assert s.target("chat") == "chat-spare"
+    s.disable_spare("chat", "another vocabulary")
+    assert s.target("chat") == "chat"
+    assert s.update({"chat": DOWN}) == []
+    assert s.report("chat")["spare_disabled"] == "another vocabulary"
+    assert not s.fail_over_now("chat")
