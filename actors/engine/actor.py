@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -63,11 +64,10 @@ class EngineReplica:
 
                 factory = RayExecutor
             events = routing is not None
-            built = (
-                build_engine(self.args, executor_factory=factory, enable_kv_events=events)
-                if factory
-                else build_engine(self.args, enable_kv_events=events)
-            )
+            kwargs: dict[str, Any] = {"enable_kv_events": events}
+            if factory:
+                kwargs["executor_factory"] = factory
+            built = _in_own_thread(lambda: build_engine(self.args, **kwargs))
             self.built = built
             self.tokenizer = load_tokenizer(built.info.model_dir)
         except BaseException as exc:
@@ -94,11 +94,13 @@ class EngineReplica:
         # Created inside the replica's event loop (its asyncio queues belong to
         # that loop), with the KV-event publisher when routing is on.
         if self.engine is None:
+            threads = self.args.num_threads if self.args.tensor_parallel_size == 1 else None
             self.engine = AsyncEngine(
                 self.built.core,
                 self.tokenizer,
                 eos_token_id=self.built.info.eos_token_id,
                 vocab_size=self.built.info.vocab_size,
+                on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
             )
             if self.index is not None:
                 self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
@@ -196,6 +198,39 @@ class EngineReplica:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # already gone at interpreter exit
             self.built.shutdown()
+
+
+def _set_torch_threads(n: int) -> None:
+    """OpenMP's thread count is a per-thread setting: the engine thread (which
+    runs the forward with TP=1) sets its own."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _in_own_thread(fn: Any) -> Any:
+    """Run `fn` in a thread that then exits, and return its result.
+
+    Loading the model runs parallel torch ops, and OpenMP (libgomp) keeps a
+    thread team per calling thread. A team left behind by the loader (Serve's
+    event loop thread) next to the engine thread's own team makes libgomp see
+    more OpenMP threads than CPUs, and it then stops spinning between ops: each
+    op's workers sleep and wake, and the forward idles up to a fifth of the
+    CPU. A thread that exits takes its team with it."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="spur-engine-build")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _delta_dict(delta: Delta) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,9 @@ def event_batch(seq: int, events: list[KVEvent], group_id: int = 0) -> dict[str,
 
 class AsyncEngine:
     """Thread-owning wrapper of an EngineCore. Create it inside a running event
-    loop; `shutdown()` stops the thread (requests in flight are aborted)."""
+    loop; `shutdown()` stops the thread (requests in flight are aborted).
+    `on_thread_start` runs first on the engine thread (per-thread settings such
+    as the number of OpenMP threads of the forward)."""
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class AsyncEngine:
         eos_token_id: int | None,
         vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
+        on_thread_start: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.scheduler = core.scheduler
@@ -123,6 +126,7 @@ class AsyncEngine:
         self.publish_kv_events = core.scheduler.kv.pool.enable_kv_events
         self.kv_batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
         self._next_seq = 0
+        self._on_thread_start = on_thread_start
         self._thread = threading.Thread(target=self._run, name="spur-engine", daemon=True)
         self._thread.start()
 
@@ -268,6 +272,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
             while not self._stop.is_set():
                 if self.core.has_unfinished_requests():
                     cmds = self._drain()

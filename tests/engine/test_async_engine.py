@@ -211,3 +211,23 @@ def test_published_batches_replay_to_the_pool_and_match_a_snapshot():
 
     held, sched = asyncio.run(main())
     assert held == set() and not sched.kv.pool.cached[0]
+
+
+def test_on_thread_start_runs_first_on_the_engine_thread():
+    import threading
+
+    seen: list[str] = []
+
+    async def main():
+        core, _, _ = make_engine(block_size=4, num_blocks=64)
+        engine = AsyncEngine(
+            core,
+            None,
+            eos_token_id=None,
+            on_thread_start=lambda: seen.append(threading.current_thread().name),
+        )
+        await collect(engine, "r", [1, 2, 3], max_tokens=2, ignore_eos=True)
+        await engine.shutdown()
+
+    asyncio.run(main())
+    assert seen == ["spur-engine"]
