@@ -6,9 +6,11 @@ concurrency 1, 8 and 32 (streaming, so time to first token and inter-token
 latency are measured per request). Then, in this process, the same prompts go
 through the offline engine (`LLM`, built from the server's own lane config,
 max_num_seqs = the concurrency) so the cost of the Serve path is a ratio:
-serve tokens/s over offline tokens/s at the same concurrency. Run the server
-and this bench on the same machine, one after the other (never both busy), so
-both arms get the same cores.
+serve tokens/s over offline tokens/s at the same concurrency. The server's
+prefix cache is reset before each level and the offline arm starts cold, so a
+repeated run does not hit the prompts of the last one. Run the server and this
+bench on the same machine, one after the other (never both busy), so both arms
+get the same cores.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def _offline_level(
     llm = LLM(model, **args)
     try:
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in work]
-        llm.generate(work[0][0], params[0])  # warm-up, not timed
+        # Warm-up, not timed, on a prompt of its own (no prefix hit for the run).
+        llm.generate("warm up the engine", SamplingParams(max_tokens=4, temperature=0))
         start = time.perf_counter()
         outs = llm.generate([p for p, _ in work], params)
         elapsed = time.perf_counter() - start
@@ -149,7 +152,20 @@ def _offline_level(
     }
 
 
-def _live_lane(url: str, model: str | None) -> tuple[str, dict[str, Any]]:
+def _reset_prefix_cache(url: str, lane: str) -> None:
+    """Empty the lane's prefix caches, so that a level does not hit blocks an
+    earlier run of the same seeded prompts left (the offline arm starts cold)."""
+    req = urllib.request.Request(
+        f"{url}/admin/reset_prefix_cache",
+        data=json.dumps({"lane": lane}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+    time.sleep(2.5)  # engines take admin commands with their next heartbeat
+
+
+def _live_lane(url: str, model: str | None) -> tuple[str, str, dict[str, Any]]:
     with urllib.request.urlopen(f"{url}/admin/config", timeout=10) as resp:
         config = json.loads(resp.read())
     from spur.cluster.app import engine_args
@@ -159,7 +175,7 @@ def _live_lane(url: str, model: str | None) -> tuple[str, dict[str, Any]]:
     lane = cfg.lane_for_model(model) if model else cfg.lanes[0]
     if lane is None:
         raise ValueError(f"no lane serves model {model!r}: use one of {cfg.model_names}")
-    return lane.served_model_names[0], engine_args(lane.engine)
+    return lane.served_model_names[0], lane.name, engine_args(lane.engine)
 
 
 def run(
@@ -171,11 +187,12 @@ def run(
     requests_per_level: int | None = None,
 ) -> dict[str, Any]:
     url = url.rstrip("/")
-    served, args = _live_lane(url, model)
+    served, lane, args = _live_lane(url, model)
     levels = []
     for c in concurrencies:
         n = requests_per_level or max(8, 2 * c)
         work = make_workload(n, seed + c)
+        _reset_prefix_cache(url, lane)
         http = asyncio.run(_http_level(url, served, work, c))
         offline = _offline_level(args, work, c)
         ratio = None
