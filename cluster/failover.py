@@ -79,6 +79,7 @@ class EngineStream:
         self.generated: list[int] = []
         self.finished = False
         self.ended = False
+        self.done_indices: set[int] = set()
         self.continuations = 0
         self.attempts = 0
         self._pending: dict[str, Any] | None = None
@@ -123,7 +124,8 @@ class EngineStream:
         if item.get("type") == "delta":
             self.generated.extend(item.get("token_ids", ()))
             if item.get("finish_reason") is not None:
-                self.finished = True
+                self.done_indices.add(item.get("index", 0))
+                self.finished = len(self.done_indices) >= self.n
         elif item.get("type") in ("final", "error"):
             self.finished = True
 

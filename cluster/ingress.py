@@ -39,6 +39,7 @@ from spur.cluster.routing.index_actor import get_index, index_kwargs_of
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+NO_REPLICA_TIMEOUT_S = 15.0
 app = FastAPI(title="spur", version=VERSION)
 
 
@@ -130,7 +131,6 @@ class _Lane:
         self.max_model_len = 0
         self.lock = asyncio.Lock()
         self.healthy = -1  # replicas the index holds healthy (-1: not polled yet)
-        self.switched = asyncio.Event()  # set (and replaced) when the lane moves to its spare
 
 
 @serve.ingress(app)
@@ -236,10 +236,14 @@ class Ingress:
         """Poll the index's health view; move lanes to and from their spare."""
         while True:
             try:
-                counts = await self.index.healthy_counts.remote(self.primaries)
+                counts = await self.index.healthy_counts.remote(list(self.lanes))
                 for name, c in counts.items():
                     self.lanes[name].healthy = c["healthy"]
-                views = {name: LaneView(c["healthy"], c["waiting"]) for name, c in counts.items()}
+                views = {
+                    name: LaneView(c["healthy"], c["waiting"])
+                    for name, c in counts.items()
+                    if name in self.primaries
+                }
                 for lane, reason in self.selector.update(views):
                     self._switched(lane, reason)
             except Exception as exc:
@@ -249,10 +253,6 @@ class Ingress:
     def _switched(self, lane: str, reason: str) -> None:
         logger.warning("lane %s now served by %s (%s)", lane, self.selector.target(lane), reason)
         self.index.count.remote(lane, "to_primary" if reason == "primary" else "to_spare")
-        if reason != "primary":
-            event = self.lanes[lane].switched
-            self.lanes[lane].switched = asyncio.Event()
-            event.set()
 
     def _on_event(self, lane: str) -> Any:
         def on_event(name: str, replica_id: str | None) -> None:  # failover.EngineStream
@@ -261,6 +261,34 @@ class Ingress:
                 self.index.report_failure.remote(replica_id)
 
         return on_event
+
+    async def _first_item(self, lane: _Lane, name: str, first: asyncio.Future[Any]) -> None:
+        """Wait for a request's first item, in slices: give up (a retriable 503) when
+        the lane moved to its spare because its primaries went down, or when the
+        target has had no healthy replica for NO_REPLICA_TIMEOUT_S (Serve would
+        otherwise hold the request until a replica comes back, maybe never)."""
+        loop = asyncio.get_running_loop()
+        since: float | None = None
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=0.5)
+            if done:
+                return
+            state = self.selector.state.get(lane.name)
+            moved = name == lane.name and self.selector.target(lane.name) != name
+            if moved and state is not None and state.reason != "saturated":
+                raise service_unavailable(
+                    f"lane {lane.name!r} moved to its spare while the request waited"
+                )
+            if self.lanes[name].healthy == 0:
+                since = loop.time() if since is None else since
+                if loop.time() - since > NO_REPLICA_TIMEOUT_S:
+                    raise service_unavailable(
+                        f"{name!r} has had no healthy replica for {NO_REPLICA_TIMEOUT_S:.0f} s; "
+                        "retry later",
+                        5.0,
+                    )
+            else:
+                since = None
 
     def _opener(self, lane: _Lane, *, chat: bool) -> Any:
         """`open(payload, attempt)` for EngineStream: the lane's primaries or its spare,
@@ -271,7 +299,8 @@ class Ingress:
             name = self.selector.target(lane.name)
             if name == lane.name and attempt and lane.healthy == 0:
                 # The primaries are gone and the monitor has not switched yet.
-                self.selector.fail_over_now(lane.name)
+                if self.selector.fail_over_now(lane.name):
+                    self._switched(lane.name, "down")
                 name = self.selector.target(lane.name)
             target = self.lanes[name]
             if name != lane.name:
@@ -283,29 +312,18 @@ class Ingress:
                         payload["prompt_token_ids"], cache_salt=payload.get("cache_salt")
                     ),
                 }
-            switched = lane.switched
+            if attempt:  # a retry may reach a replica that still holds the old id
+                payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
             gen = target.handle.options(stream=True).generate.remote(payload)
             first_task = asyncio.ensure_future(gen.__anext__())
-            waits: set[asyncio.Future[Any]] = {first_task}
-            if name == lane.name:
-                waits.add(asyncio.ensure_future(switched.wait()))
-            timeout = 15.0 if target.healthy == 0 and name == lane.name else None
             try:
-                done, _ = await asyncio.wait(
-                    waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
+                await self._first_item(lane, name, first_task)
             except BaseException:
                 first_task.cancel()
                 gen.cancel()
+                with contextlib.suppress(BaseException):
+                    await first_task  # retrieve it: no "exception never retrieved"
                 raise
-            finally:
-                for w in waits - {first_task}:
-                    w.cancel()
-            if first_task not in done:
-                first_task.cancel()
-                gen.cancel()
-                why = "moved to its spare" if switched.is_set() else "has no healthy replica"
-                raise service_unavailable(f"lane {lane.name!r} {why} while the request waited")
             try:
                 first = first_task.result()
             except BackPressureError:
@@ -315,6 +333,8 @@ class Ingress:
                     "the engine closed the stream without answering"
                 ) from None
             if first["type"] == "error":
+                if first.get("status") == 503 and first.get("replica_id"):
+                    self.index.report_failure.remote(first["replica_id"])
                 param = first.get("param")
                 code = None
                 if param == "prompt" and "max_model_len" in first["message"]:
@@ -408,12 +428,17 @@ class Ingress:
                 token_str=token_str,
             )
             return StreamingResponse(self._sse(stream, opened), media_type="text/event-stream")
-        outputs = await asyncio.gather(
-            *(
-                _collect(gen, first, params.n, ids)
-                for (gen, first), ids in zip(opened, prompts, strict=True)
+        try:
+            outputs = await asyncio.gather(
+                *(
+                    _collect(gen, first, params.n, ids)
+                    for (gen, first), ids in zip(opened, prompts, strict=True)
+                )
             )
-        )
+        except BaseException:  # a failed prompt, or the client went away: abort them all
+            for gen, _ in opened:
+                gen.cancel()
+            raise
         for out in outputs:
             for comp in out.outputs:
                 if comp.finish_reason == "abort":
@@ -557,6 +582,9 @@ class Ingress:
             if not isinstance(req, dict):
                 raise ProtocolError(400, "body must be a JSON object", param="body")
             lane, replica = req.get("lane"), req.get("replica_id")
+            for field, value in (("lane", lane), ("replica_id", replica)):
+                if value is not None and not isinstance(value, str):
+                    raise ProtocolError(400, f"{field} must be a string", param=field)
             if lane is not None and lane not in self.lanes:
                 raise ProtocolError(
                     404, f"unknown lane {lane!r}; lanes: {sorted(self.lanes)}", param="lane"
@@ -578,11 +606,9 @@ class Ingress:
     @app.get("/admin/engines")
     async def admin_engines(self) -> Response:
         out = {}
-        for name, lane in self.lanes.items():
-            try:
-                out[name] = await lane.handle.stats.remote()
-            except Exception as exc:
-                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        for name in self.lanes:
+            stats = await self._stats(name)
+            out[name] = stats if stats is not None else {"error": "no replica answered"}
         return JSONResponse(out)
 
     @app.post("/tokenize")

@@ -170,8 +170,14 @@ class EngineReplica:
             yield {"type": "error", "status": 400, "message": str(exc), "param": exc.param}
         except RequestRejected as exc:
             yield {"type": "error", "status": 400, "message": str(exc), "param": "prompt"}
-        except EngineDeadError as exc:
-            yield {"type": "error", "status": 503, "message": str(exc), "param": None}
+        except EngineDeadError as exc:  # the caller retries elsewhere and reports us
+            yield {
+                "type": "error",
+                "status": 503,
+                "message": str(exc),
+                "param": None,
+                "replica_id": self.replica_id,
+            }
 
     async def stats(self) -> dict[str, Any]:
         engine = self._engine()

@@ -235,6 +235,10 @@ class AsyncEngine:
         if stream is not None:
             stream.put_nowait(item)
 
+    def _deliver_many(self, items: list[Delta | RequestOutput]) -> None:
+        for item in items:
+            self._deliver(item.request_id, item)
+
     def _send(self, request_id: str, item: Delta | RequestOutput | Exception) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, item)
 
@@ -312,10 +316,11 @@ class AsyncEngine:
         update = self.processor.process(outputs)
         if update.to_finish:
             self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
-        for delta in update.deltas:
-            self._send(delta.request_id, delta)
-        for final in update.finished:
-            self._send(final.request_id, final)
+        # One hand-over per step, not one per request: each wakes the event loop
+        # thread, which then competes with this thread's forward for the GIL.
+        items: list[Delta | RequestOutput] = [*update.deltas, *update.finished]
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver_many, items)
         self._flush_kv_events()
         self.last_stats = {
             "num_running": stats.num_running,

@@ -122,10 +122,14 @@ class KVIndex:
         if slot.last_replica is not None:  # an earlier replica ran here (dropped or not)
             slot.restarts += 1
         slot.last_replica = replica_id
-        # A new replica on a node replaces any earlier one of the lane there.
-        for rid in [
-            r.replica_id for r in self.replicas.values() if r.lane == lane and r.node == node
-        ]:
+        # A new replica on a node replaces an earlier one of the lane there that is
+        # gone (TP>1 lanes may run several live replicas on one node: those stay).
+        stale = [
+            r.replica_id
+            for r in self.replicas.values()
+            if (r.lane, r.node) == (lane, node) and not self._alive(r, now)
+        ]
+        for rid in stale:
             del self.replicas[rid]
         self.replicas[replica_id] = ReplicaState(
             replica_id, lane, node, registered_at=now, last_heartbeat=now, healthy_since=now
@@ -190,6 +194,11 @@ class KVIndex:
 
     def _heartbeat(self, state: ReplicaState, stats: dict[str, Any] | None) -> None:
         now = self.clock()
+        if stats is not None and stats.get("alive") is False:
+            # The process answers but its engine died: failed until Serve replaces it.
+            state.last_heartbeat = now
+            state.failed_at = state.failed_at or now
+            return
         if not self._alive(state, now):
             state.healthy_since = now
         state.last_heartbeat = now

@@ -16,6 +16,7 @@ Serve's default (power of two choices) is the third policy; it needs no class.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -25,6 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from spur.cluster.routing.index_actor import get_index
 
 logger = logging.getLogger(__name__)
+INDEX_TIMEOUT_S = 2.0  # past this (an index restarting), route by queue length
 
 
 def _payload(pending: PendingRequest | None) -> dict[str, Any]:
@@ -66,8 +68,11 @@ class PrefixRouter(_IndexRouter):
         chain = payload.get("block_hashes") or []
         by_id = self._by_id(candidate_replicas)
         try:
-            ranked = await self.index.route.remote(
-                self.lane, list(by_id), chain, self.weights, payload.get("session")
+            ranked = await asyncio.wait_for(
+                self.index.route.remote(
+                    self.lane, list(by_id), chain, self.weights, payload.get("session")
+                ),
+                INDEX_TIMEOUT_S,
             )
         except Exception as exc:  # index restarting: fall back to every replica at once
             logger.warning("KV index unavailable (%s); routing by queue length", exc)
@@ -100,7 +105,9 @@ class RoundRobinRouter(_IndexRouter):
             return []
         by_id = self._by_id(candidate_replicas)
         try:
-            ranked = await self.index.round_robin.remote(self.lane, list(by_id))
+            ranked = await asyncio.wait_for(
+                self.index.round_robin.remote(self.lane, list(by_id)), INDEX_TIMEOUT_S
+            )
         except Exception:
             return [candidate_replicas]
         return [[by_id[rid]] for rid in ranked if rid in by_id]

@@ -250,3 +250,13 @@ def test_error_item_is_the_last_item():
     assert tokens(items) == [10]
     items, events, _ = run(Opener(FakeGen([delta(10)], ActorDiedError())), payload)
     assert events == [("replica_failed", "r1")]
+
+
+def test_n2_break_after_one_completion_finished_still_ends_with_an_error():
+    """With n=2, completion 0 finishing does not make the request complete: a break
+    afterwards must end with an error item, not a clean (truncated) end."""
+    payload = {**PAYLOAD, "sampling_params": {"max_tokens": 10, "n": 2}}
+    second = {**delta(20), "index": 1}
+    opener = Opener(FakeGen([delta(10, finish="stop"), second], ActorDiedError()))
+    items, _, _ = run(opener, payload)
+    assert items[-1]["type"] == "error" and items[-1]["status"] == 503

@@ -136,11 +136,15 @@ def test_new_replica_on_same_slot_replaces_old_and_counts_restart(t):
     idx.register("r1", "L", "n1")  # same id: no-op
     assert idx.replicas["r1"].synced
     assert idx.lane_report("L")["replicas"][0]["restarts"] == 0
+    idx.register("r2", "L", "n1")  # r1 still heartbeats: a second live replica there
+    assert set(idx.replicas) == {"r1", "r2"}
+    idx.drop("r2")
+    t[0] += idx.heartbeat_timeout_s + 1  # r1 went silent: the next one replaces it
     idx.register("r2", "L", "n1")
     assert set(idx.replicas) == {"r2"}
     [rep] = idx.lane_report("L")["replicas"]
     assert rep["replica_id"] == "r2"
-    assert rep["restarts"] == 1
+    assert rep["restarts"] == 2
     idx.register("r3", "L", "n2")  # other node: no replacement
     assert set(idx.replicas) == {"r2", "r3"}
 
@@ -279,3 +283,13 @@ def test_prune_forgets_replicas_silent_for_long() -> None:
     t[0] = 700.0
     assert index.prune(600.0) == ["old"]
     assert set(index.replicas) == {"new"}
+
+
+def test_a_replica_whose_engine_died_is_unhealthy_while_it_still_heartbeats(t):
+    idx = synced(t)
+    assert idx.healthy("r1")
+    idx.publish("r1", 1, stats={"alive": False, "num_running": 0})
+    assert not idx.healthy("r1")
+    t[0] += 1
+    idx.publish("r1", 2, stats={"alive": False})
+    assert not idx.healthy("r1")
