@@ -11,8 +11,10 @@ events are ignored, and the engine sends `resync(replica, seq, hashes)` with eve
 hash it holds as of batch `seq`; later batches apply on top. Routers read through
 `match` (longest consecutive prefix of a chain that a replica holds) and write
 speculatively through `record` (a chain just routed there, so a burst with one
-prefix does not spread before real events land; the engine's own events replace
-it: an eviction removes the hash, a reset clears it).
+prefix does not spread before real events land). Speculative hashes are kept apart
+and expire after `speculative_ttl_s`: the engine's own "stored" event makes one
+real, and one that never lands (the request went elsewhere, was rejected or
+aborted before its prefill) stops attracting traffic.
 
 Health: a replica is healthy while it heartbeats (every publish is one) within
 `heartbeat_timeout_s` and no caller reported it failed since its last heartbeat.
@@ -66,7 +68,8 @@ class ReplicaState:
     healthy_since: float = 0.0
     failed_at: float | None = None
     routed_since_heartbeat: int = 0
-    speculative: int = 0
+    speculative: dict[BlockHash, float] = field(default_factory=dict)
+    """Hashes recorded by routers, not yet confirmed by the engine -> expiry time."""
 
     @property
     def load(self) -> int:
@@ -95,8 +98,10 @@ class KVIndex:
         healthy_after_s: float = 5.0,
         restart_loop_threshold: int = 3,
         restart_window_s: float = 120.0,
+        speculative_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.speculative_ttl_s = speculative_ttl_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.healthy_after_s = healthy_after_s
         self.restart_loop_threshold = restart_loop_threshold
@@ -177,8 +182,15 @@ class KVIndex:
         state.last_seq = seq
         if cleared:
             state.hashes.clear()
+            state.speculative.clear()
         state.hashes.update(stored)
         state.hashes.difference_update(removed)
+        spec = state.speculative
+        if spec:
+            for h in stored:
+                spec.pop(h, None)
+            for h in removed:
+                spec.pop(h, None)
         self.num_events += len(stored) + len(removed) + int(cleared)
         return False
 
@@ -213,10 +225,11 @@ class KVIndex:
         state = self.replicas.get(replica_id)
         if state is None:
             return 0
-        held = state.hashes
+        held, spec = state.hashes, state.speculative
+        now = self.clock() if spec else 0.0
         n = 0
         for h in chain:
-            if h not in held:
+            if h not in held and spec.get(h, 0.0) <= now:
                 break
             n += 1
         return n
@@ -228,9 +241,15 @@ class KVIndex:
         if state is None:
             return
         state.routed_since_heartbeat += 1
-        new = [h for h in chain if h not in state.hashes]
-        state.hashes.update(new)
-        state.speculative += len(new)
+        expiry = self.clock() + self.speculative_ttl_s
+        spec = state.speculative
+        for h in chain:
+            if h not in state.hashes:
+                spec[h] = expiry
+        if len(spec) > 4 * len(chain) + 1024:  # drop the expired ones now and then
+            now = self.clock()
+            for h in [h for h, t in spec.items() if t <= now]:
+                del spec[h]
 
     def report_failure(self, replica_id: str) -> None:
         """A caller saw the replica fail (its actor died mid-request)."""
@@ -312,6 +331,7 @@ class KVIndex:
                     if r.stats.num_blocks
                     else 0,
                     "cached_hashes": len(r.hashes),
+                    "speculative_hashes": sum(1 for t in r.speculative.values() if t > now),
                     "prefix_hits_total": r.stats.prefix_hits_total,
                     "prefix_queries_total": r.stats.prefix_queries_total,
                     "synced": r.synced,

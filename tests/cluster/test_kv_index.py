@@ -90,7 +90,7 @@ def test_record_is_speculative_load_reset_by_heartbeat(t):
     idx.record("r1", [A, B])
     r = idx.replicas["r1"]
     assert idx.match("r1", [A, B, C]) == 3
-    assert r.speculative == 2  # A was already held
+    assert set(r.speculative) == {B, C}  # A was already held
     assert r.routed_since_heartbeat == 2
     assert r.load == 2
     idx.publish("r1", 1, stats={"num_running": 3, "num_waiting": 1})
@@ -293,3 +293,16 @@ def test_a_replica_whose_engine_died_is_unhealthy_while_it_still_heartbeats(t):
     t[0] += 1
     idx.publish("r1", 2, stats={"alive": False})
     assert not idx.healthy("r1")
+
+
+def test_speculative_hashes_expire_unless_the_engine_confirms_them(t):
+    idx = synced(t)  # r1 holds A for real
+    idx.record("r1", [A, B, C])
+    assert idx.match("r1", [A, B, C]) == 3
+    idx.publish("r1", 1, stored=[B])  # the engine computed B: now real
+    t[0] += idx.speculative_ttl_s + 1
+    assert idx.match("r1", [A, B, C]) == 2  # C never landed: expired
+    assert idx.lane_report("L")["replicas"][0]["speculative_hashes"] == 0
+    idx.record("r1", [A, B, C])
+    idx.publish("r1", 2, cleared=True)  # a reset forgets speculation too
+    assert idx.match("r1", [A, B, C]) == 0
