@@ -8,7 +8,8 @@ through the offline engine (`LLM`, built from the server's own lane config,
 max_num_seqs = the concurrency) so the cost of the Serve path is a ratio:
 serve tokens/s over offline tokens/s at the same concurrency. The server's
 prefix cache is reset before each level and the offline arm starts cold, so a
-repeated run does not hit the prompts of the last one. Run the server and this
+repeated run does not hit the prompts of the last one; both arms get one
+untimed warm-up. Run the server and this
 bench on the same machine, one after the other (never both busy), so both arms
 get the same cores.
 """
@@ -188,6 +189,10 @@ def run(
 ) -> dict[str, Any]:
     url = url.rstrip("/")
     served, lane, args = _live_lane(url, model)
+    # Warm-up, not timed, as the offline arm has one: a server's first requests
+    # pay one-off costs (first calls into torch, Serve's routing) that are not
+    # the Serve path's steady cost.
+    asyncio.run(_http_level(url, served, [("warm up the engine", 4)] * 2, 2))
     levels = []
     for c in concurrencies:
         n = requests_per_level or max(8, 2 * c)
