@@ -32,6 +32,7 @@ import warnings
 from dataclasses import asdict, replace
 from typing import Any
 
+from spur.cluster.bench.serve import percentile_ms
 from spur.cluster.bench.workload import (
     UserScript,
     WorkloadSpec,
@@ -41,14 +42,6 @@ from spur.cluster.bench.workload import (
 
 ARMS = ("round_robin", "power_of_two", "prefix")
 LANE = "bench"
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return round(values[k] * 1000, 1)
 
 
 def pool_blocks(working_set_blocks: int, max_prompt_blocks: int, replicas: int) -> int:
@@ -90,6 +83,33 @@ def _config(arm: str, model: str, replicas: int, blocks: int, block_size: int, p
             "server": {"host": "127.0.0.1", "port": port, "ingress_resources": {"head": 1}},
         }
     )
+
+
+def local_cluster(
+    nodes: dict[str, dict[str, float]], *, object_store_bytes: int = 100 * 1024**2
+) -> tuple[Any, dict[str, Any]]:
+    """A multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head
+    with {"head": 4} (the ingress, the KV index) and one 1-CPU node per entry of
+    `nodes` (name -> custom resources). Returns the cluster and its nodes by name;
+    the caller shuts it down."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"head": 4},
+            "object_store_memory": object_store_bytes,
+            "include_dashboard": False,
+        },
+    )
+    added = {
+        name: cluster.add_node(
+            num_cpus=1, resources=dict(res), object_store_memory=object_store_bytes
+        )
+        for name, res in nodes.items()
+    }
+    return cluster, added
 
 
 def _free_port() -> int:
@@ -220,8 +240,8 @@ def _arm(
         "arm": arm,
         "requests": len(results),
         "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-        "ttft_ms_p50": _pct(ttfts, 50),
-        "ttft_ms_p90": _pct(ttfts, 90),
+        "ttft_ms_p50": percentile_ms(ttfts, 50),
+        "ttft_ms_p90": percentile_ms(ttfts, 90),
         "ttft_ms_mean": round(statistics.fmean(ttfts) * 1000, 1) if ttfts else None,
         "tokens_per_s": round(tokens / wall, 2),
         "wall_s": round(wall, 2),
@@ -266,21 +286,8 @@ def run(
     )
     cluster = None
     if address is None:
-        from ray.cluster_utils import Cluster
-
         os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="spur-bench-", dir="/tmp"))
-        store = 100 * 1024**2
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "resources": {"head": 4},
-                "object_store_memory": store,
-                "include_dashboard": False,
-            },
-        )
-        for _ in range(replicas):
-            cluster.add_node(num_cpus=1, resources={"bench-lane": 1}, object_store_memory=store)
+        cluster, _ = local_cluster({f"n{i}": {"bench-lane": 1} for i in range(replicas)})
         address = cluster.address
     port = _free_port()
     ray.init(address=address, log_to_driver=False)

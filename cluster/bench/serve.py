@@ -45,7 +45,8 @@ def make_workload(n: int, seed: int) -> list[tuple[str, int]]:
     return out
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The q-th percentile of `values` (seconds) in milliseconds; None when empty."""
     if not values:
         return None
     values = sorted(values)
@@ -119,10 +120,10 @@ async def _http_level(
         "generated_tokens": tokens,
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(tokens / elapsed, 2) if elapsed else None,
-        "ttft_ms_p50": _pct([r["ttft"] for r in ok], 50),
-        "ttft_ms_p99": _pct([r["ttft"] for r in ok], 99),
-        "itl_ms_p50": _pct(itl, 50),
-        "itl_ms_p99": _pct(itl, 99),
+        "ttft_ms_p50": percentile_ms([r["ttft"] for r in ok], 50),
+        "ttft_ms_p99": percentile_ms([r["ttft"] for r in ok], 99),
+        "itl_ms_p50": percentile_ms(itl, 50),
+        "itl_ms_p99": percentile_ms(itl, 99),
     }
 
 

@@ -50,38 +50,44 @@ class _IndexRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.index.drop.remote(replica_id.unique_id)
 
-    def _by_id(self, candidates: list[RunningReplica]) -> dict[str, RunningReplica]:
-        return {r.replica_id.unique_id: r for r in candidates}
-
-
-class PrefixRouter(_IndexRouter):
-    """Longest cached prefix, balanced against load (see `routing/policy.py`)."""
-
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        """One replica per rank, in the index's order; if the index does not answer
+        within INDEX_TIMEOUT_S (restarting), every replica in one rank (Serve then
+        takes the shortest queue)."""
         if not candidate_replicas:
             return []
-        payload = _payload(pending_request)
-        chain = payload.get("block_hashes") or []
-        by_id = self._by_id(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         try:
             ranked = await asyncio.wait_for(
-                self.index.route.remote(
-                    self.lane, list(by_id), chain, self.weights, payload.get("session")
-                ),
-                INDEX_TIMEOUT_S,
+                self._rank(list(by_id), pending_request), INDEX_TIMEOUT_S
             )
-        except Exception as exc:  # index restarting: fall back to every replica at once
+        except Exception as exc:
             logger.warning("KV index unavailable (%s); routing by queue length", exc)
             return [candidate_replicas]
-        if pending_request is not None and ranked:
-            self.first_choice[pending_request.metadata.internal_request_id] = ranked[0]
+        return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+        raise NotImplementedError
+
+
+class PrefixRouter(_IndexRouter):
+    """Longest cached prefix, balanced against load (see `routing/policy.py`)."""
+
+    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+        payload = _payload(pending)
+        chain = payload.get("block_hashes") or []
+        ranked: list[str] = await self.index.route.remote(
+            self.lane, replica_ids, chain, self.weights, payload.get("session")
+        )
+        if pending is not None and ranked:
+            self.first_choice[pending.metadata.internal_request_id] = ranked[0]
             while len(self.first_choice) > 10_000:
                 self.first_choice.popitem(last=False)
-        return [[by_id[rid]] for rid in ranked if rid in by_id]
+        return ranked
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -96,18 +102,6 @@ class PrefixRouter(_IndexRouter):
 class RoundRobinRouter(_IndexRouter):
     """Healthy replicas in turn, the turn shared through the index."""
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        by_id = self._by_id(candidate_replicas)
-        try:
-            ranked = await asyncio.wait_for(
-                self.index.round_robin.remote(self.lane, list(by_id)), INDEX_TIMEOUT_S
-            )
-        except Exception:
-            return [candidate_replicas]
-        return [[by_id[rid]] for rid in ranked if rid in by_id]
+    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+        ranked: list[str] = await self.index.round_robin.remote(self.lane, replica_ids)
+        return ranked

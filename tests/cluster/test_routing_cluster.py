@@ -129,30 +129,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="spur-rc-", dir="/tmp")
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from spur.cluster.app import build_app
+    from spur.cluster.bench.routing import local_cluster
     from spur.cluster.routing.index_actor import kill_index
     from spur.configs.loader import parse_config
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("rc-model") / "tiny")
-    store = 80 * 1024**2
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {"head": 4},
-            "object_store_memory": store,
-            "include_dashboard": False,
-        },
+    cluster, nodes = local_cluster(
+        {"a": {"lane-chat": 1}, "b": {"lane-chat": 1}, "spare": {"spare": 1}},
+        object_store_bytes=80 * 1024**2,
     )
-    nodes = {
-        "a": cluster.add_node(num_cpus=1, resources={"lane-chat": 1}, object_store_memory=store),
-        "b": cluster.add_node(num_cpus=1, resources={"lane-chat": 1}, object_store_memory=store),
-        "spare": cluster.add_node(num_cpus=1, resources={"spare": 1}, object_store_memory=store),
-    }
     ray.init(address=cluster.address)
     port = free_port()
     try:
