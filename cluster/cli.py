@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b.add_argument("--concurrency", default="1,8,32")
     serve_b.add_argument("--requests", type=_positive, default=None, help="per level")
     serve_b.add_argument("--seed", type=int, default=0)
+    serve_b.add_argument(
+        "--rounds",
+        type=_positive,
+        default=3,
+        help="paired runs of both arms per level, alternating order; reports the median",
+    )
     serve_b.add_argument("--json", action="store_true")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
@@ -338,6 +344,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
                 seed=args.seed,
                 requests_per_level=args.requests,
+                rounds=args.rounds,
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None

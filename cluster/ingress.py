@@ -154,6 +154,8 @@ class Ingress:
         self._warned_fields: set[str] = set()
         router = config["router"]
         self.router = router
+        # Serve's private handle option: False streams over the replicas' gRPC servers.
+        self.by_reference = config["server"]["data_plane"] == "object_ref"
         self.selector = LaneSelector(
             self.primaries,
             spare_of={lane: spare["name"] for lane in spare["serves_lanes"]} if spare else {},
@@ -314,7 +316,9 @@ class Ingress:
                 }
             if attempt:  # a retry may reach a replica that still holds the old id
                 payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
-            gen = target.handle.options(stream=True).generate.remote(payload)
+            gen = target.handle.options(
+                stream=True, _by_reference=self.by_reference
+            ).generate.remote(payload)
             first_task = asyncio.ensure_future(gen.__anext__())
             try:
                 await self._first_item(lane, name, first_task)

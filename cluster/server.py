@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -26,6 +27,10 @@ def start(cfg: SpurConfig) -> str:
     server = cfg.server
     if not ray.is_initialized():
         if server.embedded_ray:
+            if server.data_plane == "grpc":
+                # Read by Serve's HTTP proxy when it starts; Ray's processes inherit
+                # this process's environment. An explicit value set by the user wins.
+                os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
             ray.init(
                 namespace=server.namespace,
                 num_cpus=server.num_cpus,

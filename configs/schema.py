@@ -492,6 +492,14 @@ class ServerConfig(_Section):
     ingress_resources: Resources = Field(default_factory=dict)
     """Ray custom resources each ingress replica requires, for example {"head": 1}, to
     keep the API on nodes that stay (not on engine nodes that may fail)."""
+    data_plane: Literal["grpc", "object_ref"] = "grpc"
+    """How tokens travel from engine replicas to the ingress and from the ingress to
+    the HTTP proxy. "grpc": Ray Serve's direct gRPC streams between processes (one
+    message per item); "object_ref": Ray's streaming generators (each item a Ray
+    object with its own owner bookkeeping), about a quarter more CPU per streamed
+    token in the ingress and the proxy (BENCHMARKS.md). An embedded Ray sets
+    RAY_SERVE_PROXY_USE_GRPC=1 for the proxy; on a joined cluster the second hop
+    uses gRPC only where that variable is in the nodes' environment."""
 
     @property
     def embedded_ray(self) -> bool:

@@ -7,11 +7,16 @@ latency are measured per request). Then, in this process, the same prompts go
 through the offline engine (`LLM`, built from the server's own lane config,
 max_num_seqs = the concurrency) so the cost of the Serve path is a ratio:
 serve tokens/s over offline tokens/s at the same concurrency. The server's
-prefix cache is reset before each level and the offline arm starts cold, so a
-repeated run does not hit the prompts of the last one; both arms get one
-untimed warm-up. Run the server and this
-bench on the same machine, one after the other (never both busy), so both arms
-get the same cores.
+prefix cache is reset before each serve arm and each offline arm starts cold, so
+a repeated arm does not hit the prompts of the last one; both arms get one
+untimed warm-up. Run the server and this bench on the same machine, one after
+the other (never both busy), so both arms get the same cores.
+
+A shared machine's speed drifts by more than the Serve path costs (the offline
+arm alone moved between 72 and 96 tokens/s over a day here), so with `rounds`
+> 1 (default 3) each level runs the arms in alternating order (serve, offline, offline,
+serve, ...): each round's ratio compares two arms that ran back to back, and the
+level reports the median round.
 """
 
 from __future__ import annotations
@@ -180,6 +185,44 @@ def _live_lane(url: str, model: str | None) -> tuple[str, str, dict[str, Any]]:
     return lane.served_model_names[0], lane.name, engine_args(lane.engine)
 
 
+def _ratio(http: dict[str, Any], offline: dict[str, Any]) -> float | None:
+    if http["tokens_per_s"] and offline["tokens_per_s"]:
+        return round(http["tokens_per_s"] / offline["tokens_per_s"], 3)
+    return None
+
+
+def _level(
+    url: str,
+    served: str,
+    lane: str,
+    args: dict[str, Any],
+    work: list[tuple[str, int]],
+    concurrency: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """`rounds` paired runs of both arms, the order alternating between rounds."""
+    pairs = []
+    for r in range(rounds):
+        arms: dict[str, dict[str, Any]] = {}
+        for arm in ("serve", "offline") if r % 2 == 0 else ("offline", "serve"):
+            if arm == "serve":
+                _reset_prefix_cache(url, lane)
+                arms[arm] = asyncio.run(_http_level(url, served, work, concurrency))
+            else:
+                arms[arm] = _offline_level(args, work, concurrency)
+        pairs.append({**arms, "serve_over_offline": _ratio(arms["serve"], arms["offline"])})
+    ratios = [p["serve_over_offline"] for p in pairs]
+    known = [x for x in ratios if x is not None]
+    # The level's arms are those of its median round (the lower one of an even count).
+    median = sorted(known)[(len(known) - 1) // 2] if known else None
+    chosen = pairs[ratios.index(median)] if median is not None else pairs[0]
+    level = {"serve": chosen["serve"], "offline": chosen["offline"], "serve_over_offline": median}
+    if rounds > 1:
+        level["rounds"] = pairs
+        level["round_ratios"] = ratios
+    return level
+
+
 def run(
     *,
     url: str,
@@ -187,7 +230,10 @@ def run(
     concurrencies: tuple[int, ...] = (1, 8, 32),
     seed: int = 0,
     requests_per_level: int | None = None,
+    rounds: int = 3,
 ) -> dict[str, Any]:
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     url = url.rstrip("/")
     served, lane, args = _live_lane(url, model)
     # Warm-up, not timed, as the offline arm has one: a server's first requests
@@ -198,18 +244,13 @@ def run(
     for c in concurrencies:
         n = requests_per_level or max(8, 2 * c)
         work = make_workload(n, seed + c)
-        _reset_prefix_cache(url, lane)
-        http = asyncio.run(_http_level(url, served, work, c))
-        offline = _offline_level(args, work, c)
-        ratio = None
-        if http["tokens_per_s"] and offline["tokens_per_s"]:
-            ratio = round(http["tokens_per_s"] / offline["tokens_per_s"], 3)
-        levels.append({"serve": http, "offline": offline, "serve_over_offline": ratio})
-    result = {
+        levels.append(_level(url, served, lane, args, work, c, rounds))
+    result: dict[str, Any] = {
         "bench": "serve",
         "url": url,
         "model": served,
         "seed": seed,
+        "rounds": rounds,
         "levels": levels,
     }
     at32 = [lv["serve_over_offline"] for lv in levels if lv["serve"]["concurrency"] == 32]

@@ -86,3 +86,31 @@ def test_serve_printed_the_effective_config_and_the_endpoint(spur_server: Any) -
     assert f"spur is serving at {spur_server.base_url}\n" in log
     # the printed YAML has the defaults filled in (e.g. the router, absent from the file)
     assert "router:" in log and "policy: prefix" in log
+
+
+def test_bench_serve_pairs_both_arms_in_alternating_rounds(
+    spur_server: Any, tmp_path: Path
+) -> None:
+    """`spur bench serve` against the running server: each round runs both arms on
+    the same seeded work, and the level reports its median round."""
+    import json
+
+    res = spur(
+        "bench", "serve", "--url", spur_server.url, "--model", "tiny",
+        "--concurrency", "2", "--requests", "3", "--rounds", "2", "--json",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["rounds"] == 2 and len(out["levels"]) == 1
+    level = out["levels"][0]
+    assert len(level["rounds"]) == 2
+    for r in level["rounds"]:
+        assert r["serve"]["errors"] == 0, r["serve"]["error_samples"]
+        # ignore_eos: both arms generate exactly the requested tokens.
+        assert r["serve"]["generated_tokens"] == r["offline"]["generated_tokens"] > 0
+        expected = round(r["serve"]["tokens_per_s"] / r["offline"]["tokens_per_s"], 3)
+        assert r["serve_over_offline"] == expected
+    assert level["round_ratios"] == [r["serve_over_offline"] for r in level["rounds"]]
+    assert level["serve_over_offline"] == min(level["round_ratios"])  # lower median of two
+    assert out["median_ratio"] == level["serve_over_offline"]
