@@ -496,8 +496,8 @@ class ServerConfig(_Section):
     """How tokens travel from engine replicas to the ingress and from the ingress to
     the HTTP proxy. "grpc": Ray Serve's direct gRPC streams between processes (one
     message per item); "object_ref": Ray's streaming generators (each item a Ray
-    object with its own owner bookkeeping), about a quarter more CPU per streamed
-    token in the ingress and the proxy (BENCHMARKS.md). An embedded Ray sets
+    object with its own owner bookkeeping), 15 to 35% more CPU per streamed token in
+    the ingress and the proxy (BENCHMARKS.md). An embedded Ray sets
     RAY_SERVE_PROXY_USE_GRPC=1 for the proxy; on a joined cluster the second hop
     uses gRPC only where that variable is in the nodes' environment."""
 

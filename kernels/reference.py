@@ -233,11 +233,31 @@ def paged_attention_ref(
             decodes.append(r)
         elif q_len > 1:
             _prefill(query, out, ctx, r, starts[r], q_len, seq_lens[r], scale, sliding_window)
-    if decodes:
-        rows = [starts[r] for r in decodes]
-        lens = [seq_lens[r] for r in decodes]
-        _decode_batch(query, out, ctx, decodes, rows, lens, scale, sliding_window)
+    for group in _length_groups(decodes, seq_lens):
+        rows = [starts[r] for r in group]
+        lens = [seq_lens[r] for r in group]
+        _decode_batch(query, out, ctx, group, rows, lens, scale, sliding_window)
     return out
+
+
+# A padded decode batch gathers and attends over max(len) positions per request: with
+# contexts of mixed lengths much of that is padding, and one gather of a large batch
+# (17 MB of K for 32 requests of ~700 tokens of SmolLM2) falls out of the CPU caches
+# before SDPA reads it. So decodes are sorted by length and attended in groups of
+# DECODE_GROUP_SIZE requests of similar length, one gather and one SDPA each.
+# Measured on 2 cores (SmolLM2 geometry, contexts of 60 to 760 tokens, one layer):
+# 16 / 32 / 64 decodes in 8.7 / 18.5 / 35.9 ms as one batch, 1.7 / 3.8 / 7.8 ms in
+# groups of 8; groups of 4 or 2 are slower again (per-call overhead).
+DECODE_GROUP_SIZE = 8
+
+
+def _length_groups(reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """`reqs` sorted by context length, in consecutive groups of DECODE_GROUP_SIZE."""
+    if len(reqs) <= DECODE_GROUP_SIZE:
+        return [reqs] if reqs else []
+    ordered = sorted(reqs, key=lambda r: seq_lens[r])
+    size = DECODE_GROUP_SIZE
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
 class _Context:

@@ -154,3 +154,8 @@ def dense_attention(case: Case, sliding_window: int | None = None) -> torch.Tens
 # that interleaves prefill chunks (with and without cached context) and decodes.
 MIXED = [(0, 7), (9, 1), (5, 6), (0, 1), (13, 3), (2, 1)]
 DECODES = [(4, 1), (0, 1), (17, 1), (8, 1)]
+# More decodes than one length group of the reference (8), lengths unsorted, with a
+# prefill chunk among them: the groups' rows must land back in scheduler order.
+MANY_DECODES = (
+    [((i * 13) % 37, 1) for i in range(10)] + [(6, 4)] + [((i * 7) % 29, 1) for i in range(11)]
+)

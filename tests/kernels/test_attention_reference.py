@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DECODES, FP8, MIXED, dense_attention, make_case
+from kernel_cases import DECODES, FP8, MANY_DECODES, MIXED, dense_attention, make_case
 
 from spur.kernels import (
     build_attention_metadata,
@@ -27,7 +27,7 @@ DTYPES = [
 
 
 @pytest.mark.parametrize(("dtype", "cache_dtype", "atol"), DTYPES)
-@pytest.mark.parametrize("reqs", [MIXED, DECODES, [(0, 9)], [(11, 5)]], ids=str)
+@pytest.mark.parametrize("reqs", [MIXED, DECODES, MANY_DECODES, [(0, 9)], [(11, 5)]], ids=str)
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_reference_matches_dense(reqs, dtype, cache_dtype, atol, sliding_window):
     case = make_case(reqs, dtype=dtype, cache_dtype=cache_dtype, pad_tokens=2, seed=len(reqs))
