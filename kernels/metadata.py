@@ -24,7 +24,8 @@ attention layer; nothing is kept in a global.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding (not stored)
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32 on CPU
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32 on CPU
+    # Per-step values a backend derives once and reuses in every layer (keyed by the
+    # backend; the metadata of one step never changes, so they never go stale).
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

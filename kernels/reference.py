@@ -224,20 +224,53 @@ def paged_attention_ref(
     k_cache, v_cache = (fp8.as_bytes(kv_cache) if is_fp8 else kv_cache).unbind(0)
     ctx = _Context(k_cache, v_cache, metadata.block_tables, k_scale, v_scale, is_fp8)
 
+    key = ("torch-reference", ctx.block_size, sliding_window, str(query.device))
+    layout = metadata.memo.get(key)
+    if layout is None:  # first layer of the step: every later layer reuses it
+        layout = metadata.memo[key] = _layout(metadata, ctx.block_size, sliding_window)
+    prefills, groups = layout
+    for r, start, q_len, seq_len in prefills:
+        _prefill(query, out, ctx, r, start, q_len, seq_len, scale, sliding_window)
+    for group in groups:
+        _decode_group(query, out, ctx, group, scale)
+    return out
+
+
+class _DecodeGroup:
+    """Index tensors of one decode group, the same in every layer of a step."""
+
+    def __init__(self, rows: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor) -> None:
+        self.rows = rows  # [B] query rows
+        self.slot = slot  # [B, S] flat slot read for each position (padding repeats)
+        self.valid = valid  # [B, S] bool, False on padding
+
+
+def _layout(
+    metadata: AttentionMetadata, block_size: int, sliding_window: int | None
+) -> tuple[list[tuple[int, int, int, int]], list[_DecodeGroup]]:
+    """Prefill chunks (request, first row, query length, seq_len) and decode groups."""
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
+    prefills: list[tuple[int, int, int, int]] = []
     decodes: list[int] = []
     for r in range(metadata.num_reqs):
         q_len = starts[r + 1] - starts[r]
         if q_len == 1:
             decodes.append(r)
         elif q_len > 1:
-            _prefill(query, out, ctx, r, starts[r], q_len, seq_lens[r], scale, sliding_window)
-    for group in _length_groups(decodes, seq_lens):
-        rows = [starts[r] for r in group]
-        lens = [seq_lens[r] for r in group]
-        _decode_batch(query, out, ctx, group, rows, lens, scale, sliding_window)
-    return out
+            prefills.append((r, starts[r], q_len, seq_lens[r]))
+    groups = [
+        _decode_indices(
+            metadata.block_tables,
+            group,
+            [starts[r] for r in group],
+            [seq_lens[r] for r in group],
+            block_size,
+            sliding_window,
+        )
+        for group in _length_groups(decodes, seq_lens)
+    ]
+    return prefills, groups
 
 
 # A padded decode batch gathers and attends over max(len) positions per request: with
@@ -328,36 +361,46 @@ def _prefill(
     out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
 
 
-def _decode_batch(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    ctx: _Context,
+def _decode_indices(
+    block_tables: torch.Tensor,
     reqs: list[int],
     rows: list[int],
     lens: list[int],
-    scale: float,
+    block_size: int,
     sliding_window: int | None,
-) -> None:
-    """One-token requests in one padded batch: one gather, one SDPA; writes out[rows]."""
-    device = query.device
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = ctx.k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    b = len(reqs)
+) -> _DecodeGroup:
+    """Slots of one decode group's padded [B, S] grid. Padding cells repeat the
+    request's last real slot, so they read finite, written values (never an unwritten
+    or stale block whose bytes may be NaN) and are then masked."""
+    device = block_tables.device
     first = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
     width = max(n - f for n, f in zip(lens, first, strict=True))
     lens_t = torch.tensor(lens, device=device)
     pos = torch.tensor(first, device=device)[:, None] + torch.arange(width, device=device)
     valid = pos < lens_t[:, None]  # [B, S]
     pos = torch.minimum(pos, lens_t[:, None] - 1)  # padding repeats the last real position
-    bs = ctx.block_size
-    tables = ctx.block_tables[torch.tensor(reqs, device=device)].long()  # [B, max_blocks]
+    bs = block_size
+    tables = block_tables[torch.tensor(reqs, device=device)].long()  # [B, max_blocks]
     slot = tables.gather(1, pos // bs) * bs + pos % bs  # [B, S]
-    k, v = ctx.slots(slot)  # [B, S, H_kv, D]
+    return _DecodeGroup(torch.tensor(rows, device=device), slot, valid)
+
+
+def _decode_group(
+    query: torch.Tensor, out: torch.Tensor, ctx: _Context, group: _DecodeGroup, scale: float
+) -> None:
+    """One-token requests in one padded batch: one gather, one SDPA; writes out[rows]."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = ctx.k_cache.shape[2]
+    b = group.rows.shape[0]
+    k, v = ctx.slots(group.slot)  # [B, S, H_kv, D]
     # The G query heads of a KV head act as G query rows of one attention, so K/V are
     # shared without repetition: q [B, H_kv, G, D] against k [B, H_kv, S, D].
-    q = query[torch.tensor(rows, device=device)].float().view(b, num_kv_heads, group, head_dim)
+    q = query[group.rows].float().view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+        q,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=group.valid[:, None, None, :],
+        scale=scale,
     )  # [B, H_kv, G, D]
-    out[rows] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+    out[group.rows] = o.reshape(b, num_heads, head_dim).to(out.dtype)
