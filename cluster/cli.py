@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtypes", default="float32,bfloat16")
     engine.add_argument("--model", default="SmolLM2-135M-Instruct")
     engine.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
+    engine.add_argument(
+        "--matmul-floor",
+        action="store_true",
+        help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
+    )
     engine.add_argument("--json", action="store_true")
     return parser
 
@@ -383,6 +388,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtypes=tuple(d for d in args.dtypes.split(",") if d),
             model=args.model,
             quick=args.quick,
+            matmul_floor=args.matmul_floor,
         )
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from spur.actors.engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.input_batch import RequestStates
+from spur.actors.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spur.actors.worker.sampler import Sampler
 from spur.actors.worker.sampling_metadata import SamplerState
 from spur.kernels import AttentionMetadata
@@ -52,6 +54,9 @@ class StepTimes:
     sample: float = 0.0
     steps: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # (tokens in the step, rows sent to the LM head) -> number of such steps. Bounded
+    # by the token budget times max_num_seqs; in practice a few hundred keys.
+    shapes: Counter[tuple[int, int]] = field(default_factory=Counter)
 
 
 class ModelRunner:
@@ -186,4 +191,49 @@ class ModelRunner:
         times.logits += t3 - t2
         times.sample += t4 - t3
         times.steps += 1
+        times.shapes[(n, len(inputs.sampling_req_ids))] += 1
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out)
+
+    # -- profiling ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def time_matmuls(self, shapes: list[tuple[int, int, int]]) -> float:
+        """Seconds this rank's linear layers and LM head take for a run of steps.
+
+        `shapes`: (tokens in the step, rows sent to the LM head, number of such
+        steps), as counted in `times.shapes`. Each shape runs once on random inputs
+        through the decoder's column- and row-parallel layers (all of them, on every
+        token) and `compute_logits`, and is weighted by its count. Attention, norms,
+        RoPE, activations, sampling and bookkeeping are left out: this is what a
+        step would cost if only its matmuls were left, a floor for this machine.
+        """
+        linears = [
+            m
+            for m in self.model.model.modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        ]
+        hidden = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        dev = self.device
+
+        def one(tokens: int, logits: int) -> float:
+            inputs = {
+                w: torch.randn(tokens, w, dtype=dtype, device=dev)
+                for w in {m.weight.shape[1] for m in linears}
+            }
+            h = torch.randn(logits, hidden, dtype=dtype, device=dev)
+            _sync(dev)
+            t0 = time.perf_counter()
+            for m in linears:
+                m(inputs[m.weight.shape[1]])
+            if logits:
+                self.model.compute_logits(h)
+            _sync(dev)
+            return time.perf_counter() - t0
+
+        one(8, 8)  # warm-up: first calls pay one-time costs
+        return sum(count * one(tokens, logits) for tokens, logits, count in shapes)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -154,7 +154,7 @@ class Worker:
         assert self.runner is not None, "load_model first"
         return self.runner.execute_model(out)
 
-    def step_times(self) -> dict[str, float]:
+    def step_times(self) -> dict[str, Any]:
         assert self.runner is not None
         t = self.runner.times
         return {
@@ -163,7 +163,13 @@ class Worker:
             "logits_s": t.logits,
             "sample_s": t.sample,
             "steps": t.steps,
+            "shapes": [[n, m, c] for (n, m), c in sorted(t.shapes.items())],
         }
+
+    def time_matmuls(self, shapes: list[tuple[int, int, int]]) -> float:
+        """See `ModelRunner.time_matmuls`."""
+        assert self.runner is not None, "load_model first"
+        return self.runner.time_matmuls(shapes)
 
     def ping(self) -> int:
         return os.getpid()

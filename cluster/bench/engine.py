@@ -159,8 +159,15 @@ def run_spur_arm(
     dtype: str,
     seed: int,
     llm_kwargs: dict[str, Any],
+    matmul_floor: bool = False,
 ) -> dict[str, Any]:
-    """Load `LLM`, warm it up, time one `generate` of every request; shut it down."""
+    """Load `LLM`, warm it up, time one `generate` of every request; shut it down.
+
+    With `matmul_floor`, the timed run's step shapes are replayed through the
+    model's linear layers and LM head alone (`ModelRunner.time_matmuls`) before
+    shutting down: `matmul_s` is what the run would take if attention, norms,
+    sampling and scheduling cost nothing.
+    """
     from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
     from spur.actors.worker.hf_reference import PeakRss
@@ -183,11 +190,18 @@ def run_spur_arm(
             params = [
                 SamplingParams(max_tokens=k, ignore_eos=True, temperature=0) for k in output_lens
             ]
+            before = llm.executor.collective_rpc("step_times")[0]["shapes"]
             with PeakRss() as during:
                 t1 = time.perf_counter()
                 outs = llm.generate(prompts, params)
                 elapsed = time.perf_counter() - t1
             stats = getattr(llm, "last_run_stats", None)
+            floor: dict[str, Any] = {}
+            if matmul_floor:
+                after = llm.executor.collective_rpc("step_times")[0]["shapes"]
+                shapes = _shape_delta(before, after)
+                matmul_s = max(llm.executor.collective_rpc("time_matmuls", (shapes,)))
+                floor = _floor(shapes, matmul_s, elapsed)
         finally:
             llm.shutdown()
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -212,6 +226,27 @@ def run_spur_arm(
         "peak_rss_delta_bytes": during.delta_bytes,
         "peak_rss_delta_with_load_bytes": whole.delta_bytes,
         "engine_kwargs": kwargs,
+        **floor,
+    }
+
+
+def _shape_delta(before: list[list[int]], after: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Step shapes (tokens, logits rows, count) counted between two snapshots."""
+    old = {(n, m): c for n, m, c in before}
+    delta = [(n, m, c - old.get((n, m), 0)) for n, m, c in after]
+    return [d for d in delta if d[2] > 0]
+
+
+def _floor(shapes: list[tuple[int, int, int]], matmul_s: float, elapsed: float) -> dict[str, Any]:
+    """The matmul replay's figures; every sampled row made one useful token."""
+    sampled = sum(m * c for _, m, c in shapes)
+    return {
+        "matmul_steps": sum(c for _, _, c in shapes),
+        "matmul_tokens": sum(n * c for n, _, c in shapes),
+        "matmul_logit_rows": sampled,
+        "matmul_s": round(matmul_s, 3),
+        "matmul_share": round(matmul_s / elapsed, 3) if elapsed > 0 else None,
+        "matmul_ceiling_tokens_per_s": round(sampled / matmul_s, 2) if matmul_s > 0 else None,
     }
 
 
@@ -250,6 +285,7 @@ def run(
     arms: tuple[str, ...] = ("spur", "hf"),
     hf_batch_size: int | None = None,
     llm_kwargs: dict[str, Any] | None = None,
+    matmul_floor: bool = False,
 ) -> dict[str, Any]:
     """Run the engine benchmark; returns a JSON-ready dict (see the module docstring).
 
@@ -261,6 +297,9 @@ def run(
         hf_batch_size: static batch size of the hf arm (16; 4 with `quick`).
         llm_kwargs: extra keyword arguments for `LLM(...)` (override the defaults
             max_num_seqs=64, max_num_batched_tokens=2048, block_size=16).
+        matmul_floor: also time the spur run's matmuls alone (see `run_spur_arm`)
+            and report `matmul_ceiling_ratio`: the ratio spur would reach if only
+            its matmuls cost time. Adds about a third of the spur arm's time.
 
     Raises:
         ValueError: an unknown arm or an empty dtype list.
@@ -287,7 +326,13 @@ def run(
             gc.collect()
             if arm == "spur":
                 entry["spur"] = run_spur_arm(
-                    model, prompts, output_lens, dtype=dtype, seed=seed, llm_kwargs=llm_kwargs or {}
+                    model,
+                    prompts,
+                    output_lens,
+                    dtype=dtype,
+                    seed=seed,
+                    llm_kwargs=llm_kwargs or {},
+                    matmul_floor=matmul_floor,
                 )
             else:
                 entry["hf"] = run_hf_arm(
@@ -304,6 +349,10 @@ def run(
             s, h = entry["spur"], entry["hf"]
             if s["tokens_per_s"] and h["tokens_per_s"]:
                 entry["throughput_ratio"] = round(s["tokens_per_s"] / h["tokens_per_s"], 3)
+                if s.get("matmul_ceiling_tokens_per_s"):
+                    entry["matmul_ceiling_ratio"] = round(
+                        s["matmul_ceiling_tokens_per_s"] / h["tokens_per_s"], 3
+                    )
             entry["token_match"] = _token_match(s["token_ids"], h["token_ids"])
             if s["kv_slots_allocated_peak"] and h["kv_slots_allocated_peak"]:
                 entry["kv_slots_peak_ratio"] = round(

@@ -158,6 +158,31 @@ def test_bench_engine_quick_both_arms_tiny(llama_dir):
     assert 0 < entry["spur"]["kv_utilization"] <= 1
 
 
+def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir):
+    """`--matmul-floor` replays exactly the timed run's steps, and matmuls alone are
+    faster than the whole run."""
+    from spur.cluster.bench import engine
+
+    out = engine.run(
+        model=str(llama_dir),
+        quick=True,
+        dtypes=("float32",),
+        llm_kwargs={"num_kv_blocks": 64, "enable_prefix_caching": False},
+        matmul_floor=True,
+    )
+    entry = out["results"]["float32"]
+    spur, w = entry["spur"], out["workload"]
+    assert spur["num_preemptions"] == 0
+    assert spur["matmul_steps"] == spur["steps"]  # the warm-up's steps are not counted
+    assert spur["matmul_logit_rows"] == spur["useful_tokens"] == w["output_tokens"]["total"]
+    # Every prompt token runs once; every generated token but the last is fed back.
+    fed = w["prompt_tokens"]["total"] + w["output_tokens"]["total"] - out["num_requests"]
+    assert spur["matmul_tokens"] == fed
+    assert 0 < spur["matmul_s"] < spur["elapsed_s"]
+    assert 0 < spur["matmul_share"] < 1
+    assert entry["matmul_ceiling_ratio"] > entry["throughput_ratio"]
+
+
 # ---- the real demo model ---------------------------------------------------------
 
 
