@@ -205,6 +205,8 @@ class ModelRunner:
         token) and `compute_logits`, and is weighted by its count. Attention, norms,
         RoPE, activations, sampling and bookkeeping are left out: this is what a
         step would cost if only its matmuls were left, a floor for this machine.
+        Under tensor parallelism every rank must be called together (the row-parallel
+        layers all-reduce, which counts as part of the floor).
         """
         linears = [
             m
@@ -212,6 +214,7 @@ class ModelRunner:
             if isinstance(m, ColumnParallelLinear | RowParallelLinear)
         ]
         hidden = self.model.config.hidden_size
+        tp = getattr(self.model, "tp", None)
         dtype = next(self.model.parameters()).dtype
         dev = self.device
 
@@ -222,6 +225,8 @@ class ModelRunner:
             }
             h = torch.randn(logits, hidden, dtype=dtype, device=dev)
             _sync(dev)
+            if tp is not None and tp.size > 1:  # start together: no rank times a wait
+                tp.all_reduce(torch.zeros(1, device=dev))
             t0 = time.perf_counter()
             for m in linears:
                 m(inputs[m.weight.shape[1]])

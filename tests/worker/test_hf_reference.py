@@ -158,16 +158,23 @@ def test_bench_engine_quick_both_arms_tiny(llama_dir):
     assert 0 < entry["spur"]["kv_utilization"] <= 1
 
 
-def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir, tp):
     """`--matmul-floor` replays exactly the timed run's steps, and matmuls alone are
-    faster than the whole run."""
+    faster than the whole run. With TP=2 every rank replays its shard together (the
+    row-parallel layers all-reduce); on 2 cores gloo's all-reduces dominate both the
+    run and the replay of this tiny model, so only the replay's coverage is checked."""
     from spur.cluster.bench import engine
 
     out = engine.run(
         model=str(llama_dir),
         quick=True,
         dtypes=("float32",),
-        llm_kwargs={"num_kv_blocks": 64, "enable_prefix_caching": False},
+        llm_kwargs={
+            "num_kv_blocks": 64,
+            "enable_prefix_caching": False,
+            "tensor_parallel_size": tp,
+        },
         matmul_floor=True,
     )
     entry = out["results"]["float32"]
@@ -178,7 +185,10 @@ def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir):
     # Every prompt token runs once; every generated token but the last is fed back.
     fed = w["prompt_tokens"]["total"] + w["output_tokens"]["total"] - out["num_requests"]
     assert spur["matmul_tokens"] == fed
-    assert 0 < spur["matmul_s"] < spur["elapsed_s"]
+    assert spur["matmul_s"] > 0
+    if tp > 1:
+        return
+    assert spur["matmul_s"] < spur["elapsed_s"]
     assert 0 < spur["matmul_share"] < 1
     assert entry["matmul_ceiling_ratio"] > entry["throughput_ratio"]
 
