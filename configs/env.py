@@ -36,3 +36,15 @@ def attention_backend_override() -> str | None:
 def triton_interpret() -> bool:
     """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def native_kernels_enabled() -> bool:
+    """False when `SPUR_NATIVE_KERNELS` is 0 / false / off: the CPU path then uses
+    SDPA for fp32 decodes instead of the C kernel in kernels/native.py."""
+    value = os.environ.get("SPUR_NATIVE_KERNELS", "1").strip().lower()
+    return value not in ("0", "false", "off")
+
+
+def c_compiler() -> str | None:
+    """`CC`, if set: the compiler that builds kernels/native.py's C source."""
+    return os.environ.get("CC") or None

@@ -1,9 +1,11 @@
 """Torch reference implementations of the KV store and paged attention.
 
 These run on any device and are the CPU serving path, so they are written to be
-reasonably fast there: no per-token Python loops. Decode requests (one query
-token) are batched into one attention call over their padded contexts; each
-prefill chunk is one attention call over its gathered context.
+reasonably fast there: no per-token Python loops. Each prefill chunk is one SDPA
+call over its gathered context. Decode requests (one query token) on a float32
+CPU cache go to the native kernel (kernels/native.py, C, reads K/V in place);
+otherwise they are sorted by length and attended in groups, one SDPA call per
+group over their padded, gathered contexts.
 
 KV cache layout of one attention layer (see kernels/__init__.py):
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spur.kernels import fp8
+from spur.kernels import fp8, native
 from spur.kernels.fp8 import Scale
 from spur.kernels.metadata import AttentionMetadata
 
@@ -246,13 +248,18 @@ def paged_attention_ref(
     dtypes = _compute_dtypes(query, kv_cache)
     ctx = _Context(k_cache, v_cache, metadata.block_tables, k_scale, v_scale, is_fp8, dtypes)
 
-    key = ("torch-reference", ctx.block_size, sliding_window, str(query.device))
+    kernel = native.decode_kernel(query, kv_cache)
+    key = ("torch-reference", ctx.block_size, sliding_window, str(query.device), kernel is None)
     layout = metadata.memo.get(key)
     if layout is None:  # first layer of the step: every later layer reuses it
-        layout = metadata.memo[key] = _layout(metadata, ctx.block_size, sliding_window)
-    prefills, groups = layout
+        layout = metadata.memo[key] = _layout(
+            metadata, ctx.block_size, sliding_window, native_decodes=kernel is not None
+        )
+    prefills, groups, plan = layout
     for r, start, q_len, seq_len in prefills:
         _prefill(query, out, ctx, r, start, q_len, seq_len, scale, sliding_window)
+    if plan is not None:
+        native.decode_attention(kernel, query, out, k_cache, v_cache, plan, scale)
     for group in groups:
         _decode_group(query, out, ctx, group, scale)
     return out
@@ -268,9 +275,14 @@ class _DecodeGroup:
 
 
 def _layout(
-    metadata: AttentionMetadata, block_size: int, sliding_window: int | None
-) -> tuple[list[tuple[int, int, int, int]], list[_DecodeGroup]]:
-    """Prefill chunks (request, first row, query length, seq_len) and decode groups."""
+    metadata: AttentionMetadata,
+    block_size: int,
+    sliding_window: int | None,
+    *,
+    native_decodes: bool,
+) -> tuple[list[tuple[int, int, int, int]], list[_DecodeGroup], native.DecodePlan | None]:
+    """Prefill chunks (request, first row, query length, seq_len), then the decodes:
+    one plan for the native kernel, or length groups for SDPA."""
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
     prefills: list[tuple[int, int, int, int]] = []
@@ -281,6 +293,12 @@ def _layout(
             decodes.append(r)
         elif q_len > 1:
             prefills.append((r, starts[r], q_len, seq_lens[r]))
+    if native_decodes:
+        if not decodes:
+            return prefills, [], None
+        rows, lens = [starts[r] for r in decodes], [seq_lens[r] for r in decodes]
+        plan = native.plan_decodes(metadata.block_tables, decodes, rows, lens, sliding_window)
+        return prefills, [], plan
     groups = [
         _decode_indices(
             metadata.block_tables,
@@ -292,7 +310,7 @@ def _layout(
         )
         for group in _length_groups(decodes, seq_lens)
     ]
-    return prefills, groups
+    return prefills, groups, None
 
 
 # A padded decode batch gathers and attends over max(len) positions per request: with

@@ -1,0 +1,63 @@
+"""The native CPU decode kernel (kernels/cpu_decode_attention.c): built here, equal to
+the dense oracle and to the SDPA path it replaces, and a clean fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DECODES, FP8, MANY_DECODES, MIXED, dense_attention, make_case
+
+from spur.kernels import native, paged_attention_ref
+
+
+def test_native_kernel_builds_on_this_machine():
+    """CI machines have gcc: a broken build must fail here, not fall back silently."""
+    lib = native.build()
+    assert getattr(lib, native.SYMBOL) is not None
+
+
+@pytest.mark.parametrize("reqs", [MIXED, DECODES, MANY_DECODES], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 3])
+@pytest.mark.parametrize("path", ["native", "sdpa"])
+def test_fp32_decodes_match_dense_on_both_paths(reqs, sliding_window, path, monkeypatch):
+    """The cache is NaN everywhere but the requests' contexts: reading one stale cell
+    shows up as NaN."""
+    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "1" if path == "native" else "0")
+    case = make_case(reqs, pad_tokens=2, seed=len(reqs))
+    uses_native = native.decode_kernel(case.query, case.kv_cache) is not None
+    assert uses_native == (path == "native")
+    out = paged_attention_ref(
+        case.query, case.kv_cache, case.metadata, scale=case.scale, sliding_window=sliding_window
+    )
+    n = case.metadata.num_actual_tokens
+    expected = dense_attention(case, sliding_window)
+    torch.testing.assert_close(out[:n].double(), expected, atol=1e-5, rtol=1e-5)
+    assert not out[n:].any(), "padding rows must be zero"
+
+
+def test_bf16_query_on_fp32_cache_writes_its_own_dtype():
+    case = make_case(MANY_DECODES, dtype=torch.bfloat16, cache_dtype=torch.float32, seed=2)
+    assert native.decode_kernel(case.query, case.kv_cache) is not None
+    out = paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+    assert out.dtype == torch.bfloat16
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, FP8])
+def test_other_cache_dtypes_stay_on_sdpa(cache_dtype):
+    case = make_case(DECODES, dtype=torch.float32, cache_dtype=cache_dtype)
+    assert native.decode_kernel(case.query, case.kv_cache) is None
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))  # no cached library to reuse
+    with pytest.raises(RuntimeError, match="cannot run the C compiler"):
+        native.build(cc=str(tmp_path / "no-such-cc"))
+
+
+def test_failed_compile_shows_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build(cc="false")
+    assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
