@@ -5,9 +5,13 @@
  * decode's K/V into a padded copy before SDPA; this reads each K and V row of the
  * window once, from the cache, through the block table.
  *
- * One work item = (decode request i, KV head h). Its G = num_heads / num_kv_heads
- * query heads share the item's K/V. Three passes over the window: scores and their
- * max, exp and sum, weighted sum of V; all float32.
+ * Per decode request, three passes over its window: scores of all query heads
+ * (query head j reads KV head j / G, G = num_heads / num_kv_heads) and their max,
+ * exp and sum, weighted sum of V; all float32. Positions are the outer loop: a
+ * position's K (or V) rows of all heads are contiguous in the cache and read once,
+ * in address order. Measured in the engine (SmolLM2 fp32, 64 requests, time inside
+ * attention): heads as the outer loop, re-reading each block once per KV head,
+ * 39 to 40 s; positions outer 14 to 15 s; the SDPA path 25 to 30 s.
  *
  * Layout (strides in floats):
  *   q, out        row r at r * q_row / out_row, query head j at j * head_dim
@@ -26,6 +30,71 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One decode request, all its KV heads. Positions are the outer loop, so each
+ * position's K (then V) row of all heads, contiguous in the cache, is read once in
+ * address order; the next block is prefetched at each block boundary. Inlined with
+ * head_dim a constant for common sizes, so the d-loops unroll and vectorize.
+ * scores: [H_kv * G, widest]; acc: [H_kv * G, D] accumulators. */
+static inline __attribute__((always_inline)) void attend(
+    const float *restrict q, float *restrict o, const float *restrict k,
+    const float *restrict v, int64_t s_blk, int64_t s_off, int64_t s_head,
+    const int32_t *restrict table, int32_t first, int32_t width, int32_t block_size,
+    int32_t H, int32_t G, const int32_t D, float scale, float *restrict scores,
+    int64_t widest, float *restrict acc, float *restrict sums) {
+    const int32_t HG = H * G;
+    for (int32_t t = 0; t < width; ++t) {
+        const int32_t p = first + t;
+        const int32_t off = p % block_size;
+        if (off == 0 || t == 0) {
+            const int32_t nb = p / block_size + 1;
+            if (first + width > nb * block_size) {
+                __builtin_prefetch(k + (int64_t)table[nb] * s_blk);
+                __builtin_prefetch(v + (int64_t)table[nb] * s_blk);
+            }
+        }
+        const float *restrict kp = k + (int64_t)table[p / block_size] * s_blk + (int64_t)off * s_off;
+        for (int32_t h = 0; h < H; ++h) {
+            const float *restrict kr = kp + (int64_t)h * s_head;
+            for (int32_t g = 0; g < G; ++g) {
+                const float *restrict qg = q + ((int64_t)h * G + g) * D;
+                float s = 0.0f;
+                for (int32_t d = 0; d < D; ++d) s += qg[d] * kr[d];
+                scores[((int64_t)h * G + g) * widest + t] = s * scale;
+            }
+        }
+    }
+    for (int32_t j = 0; j < HG; ++j) {
+        float *restrict sg = scores + (int64_t)j * widest;
+        float m = -FLT_MAX; /* -ffast-math: no infinities */
+        for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
+        float total = 0.0f;
+        for (int32_t t = 0; t < width; ++t) {
+            sg[t] = expf(sg[t] - m);
+            total += sg[t];
+        }
+        sums[j] = total;
+    }
+    for (int64_t x = 0; x < (int64_t)HG * D; ++x) acc[x] = 0.0f;
+    for (int32_t t = 0; t < width; ++t) {
+        const int32_t p = first + t;
+        const float *restrict vp =
+            v + (int64_t)table[p / block_size] * s_blk + (int64_t)(p % block_size) * s_off;
+        for (int32_t h = 0; h < H; ++h) {
+            const float *restrict vr = vp + (int64_t)h * s_head;
+            for (int32_t g = 0; g < G; ++g) {
+                const int64_t j = (int64_t)h * G + g;
+                const float w = scores[j * widest + t];
+                float *restrict aj = acc + j * D;
+                for (int32_t d = 0; d < D; ++d) aj[d] += w * vr[d];
+            }
+        }
+    }
+    for (int32_t j = 0; j < HG; ++j) {
+        const float inv = 1.0f / sums[j];
+        for (int32_t d = 0; d < D; ++d) o[(int64_t)j * D + d] = acc[(int64_t)j * D + d] * inv;
+    }
+}
+
 int spur_decode_attention_f32(const float *q, int64_t q_row, float *out, int64_t out_row,
                               const float *k, const float *v, int64_t s_blk, int64_t s_off,
                               int64_t s_head, const int32_t *tables, int64_t table_row,
@@ -33,73 +102,37 @@ int spur_decode_attention_f32(const float *q, int64_t q_row, float *out, int64_t
                               int64_t num_decodes, int32_t block_size, int32_t num_heads,
                               int32_t num_kv_heads, int32_t head_dim, float scale) {
     const int32_t G = num_heads / num_kv_heads;
-    int32_t widest = 1;
+    int64_t widest = 1;
     for (int64_t i = 0; i < num_decodes; ++i) {
-        const int32_t w = lens[i] - firsts[i];
+        const int64_t w = lens[i] - firsts[i];
         if (w > widest) widest = w;
     }
-    float *scores = malloc(sizeof(float) * (size_t)G * (size_t)widest);
-    float *acc = malloc(sizeof(float) * (size_t)G * (size_t)head_dim);
-    float *mx = malloc(sizeof(float) * (size_t)G);
-    float *sum = malloc(sizeof(float) * (size_t)G);
-    if (!scores || !acc || !mx || !sum) {
+    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)widest);
+    float *acc = malloc(sizeof(float) * (size_t)num_heads * (size_t)head_dim);
+    float *sums = malloc(sizeof(float) * (size_t)num_heads);
+    if (!scores || !acc || !sums) {
         free(scores);
         free(acc);
-        free(mx);
-        free(sum);
+        free(sums);
         return -1;
     }
     for (int64_t i = 0; i < num_decodes; ++i) {
-        const int32_t first = firsts[i], width = lens[i] - firsts[i];
+        const float *qi = q + (int64_t)rows[i] * q_row;
+        float *oi = out + (int64_t)rows[i] * out_row;
         const int32_t *table = tables + i * table_row;
-        for (int32_t h = 0; h < num_kv_heads; ++h) {
-            const float *qh = q + (int64_t)rows[i] * q_row + (int64_t)h * G * head_dim;
-            float *oh = out + (int64_t)rows[i] * out_row + (int64_t)h * G * head_dim;
-            for (int32_t g = 0; g < G; ++g) mx[g] = -FLT_MAX; /* -ffast-math: no infinities */
-            for (int32_t t = 0; t < width; ++t) {
-                const int32_t p = first + t;
-                const float *kr = k + (int64_t)table[p / block_size] * s_blk +
-                                  (int64_t)(p % block_size) * s_off + (int64_t)h * s_head;
-                for (int32_t g = 0; g < G; ++g) {
-                    const float *qg = qh + (int64_t)g * head_dim;
-                    float s = 0.0f;
-                    for (int32_t d = 0; d < head_dim; ++d) s += qg[d] * kr[d];
-                    s *= scale;
-                    scores[(int64_t)g * widest + t] = s;
-                    if (s > mx[g]) mx[g] = s;
-                }
-            }
-            for (int32_t g = 0; g < G; ++g) {
-                float *sg = scores + (int64_t)g * widest;
-                const float m = mx[g];
-                float total = 0.0f;
-                for (int32_t t = 0; t < width; ++t) {
-                    sg[t] = expf(sg[t] - m);
-                    total += sg[t];
-                }
-                sum[g] = total;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)G * (size_t)head_dim);
-            for (int32_t t = 0; t < width; ++t) {
-                const int32_t p = first + t;
-                const float *vr = v + (int64_t)table[p / block_size] * s_blk +
-                                  (int64_t)(p % block_size) * s_off + (int64_t)h * s_head;
-                for (int32_t g = 0; g < G; ++g) {
-                    const float w = scores[(int64_t)g * widest + t];
-                    float *ag = acc + (int64_t)g * head_dim;
-                    for (int32_t d = 0; d < head_dim; ++d) ag[d] += w * vr[d];
-                }
-            }
-            for (int32_t g = 0; g < G; ++g) {
-                const float inv = 1.0f / sum[g];
-                for (int32_t d = 0; d < head_dim; ++d)
-                    oh[(int64_t)g * head_dim + d] = acc[(int64_t)g * head_dim + d] * inv;
-            }
-        }
+        const int32_t first = firsts[i], width = lens[i] - firsts[i];
+        if (head_dim == 64)
+            attend(qi, oi, k, v, s_blk, s_off, s_head, table, first, width, block_size,
+                   num_kv_heads, G, 64, scale, scores, widest, acc, sums);
+        else if (head_dim == 128)
+            attend(qi, oi, k, v, s_blk, s_off, s_head, table, first, width, block_size,
+                   num_kv_heads, G, 128, scale, scores, widest, acc, sums);
+        else
+            attend(qi, oi, k, v, s_blk, s_off, s_head, table, first, width, block_size,
+                   num_kv_heads, G, head_dim, scale, scores, widest, acc, sums);
     }
     free(scores);
     free(acc);
-    free(mx);
-    free(sum);
+    free(sums);
     return 0;
 }

@@ -35,6 +35,18 @@ def test_fp32_decodes_match_dense_on_both_paths(reqs, sliding_window, path, monk
     assert not out[n:].any(), "padding rows must be zero"
 
 
+@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (128, 1, 8), (8, 4, 4)])
+def test_every_compiled_head_dim(head_dim, group, block_size):
+    """head_dim 64 and 128 run specialized copies of the loop, others the generic one."""
+    case = make_case(
+        MANY_DECODES, num_kv_heads=3, group=group, head_dim=head_dim, block_size=block_size
+    )
+    assert native.decode_kernel(case.query, case.kv_cache) is not None
+    out = paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_query_on_fp32_cache_writes_its_own_dtype():
     case = make_case(MANY_DECODES, dtype=torch.bfloat16, cache_dtype=torch.float32, seed=2)
     assert native.decode_kernel(case.query, case.kv_cache) is not None
