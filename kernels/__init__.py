@@ -12,8 +12,8 @@ scale). Each step the model calls `store_kv` for the new tokens, then
 `paged_attention`, which reads all K/V through the block tables.
 
 Backends: "torch" (kernels/reference.py, runs anywhere, the CPU serving path; on
-CPU its fp32 decodes use a small C kernel, kernels/native.py, when a C compiler is
-there) and
+CPU its fp32 / bf16 decodes use a small C kernel, kernels/native.py, when a C
+compiler is there) and
 "triton" (kernels/store_kv.py, kernels/paged_attention.py; CUDA, or the CPU
 interpreter with TRITON_INTERPRET=1, which Triton reads when this package is
 first imported: set it before start-up).

@@ -1,8 +1,8 @@
 """Native CPU kernels: built from C on first use, loaded with ctypes.
 
-`cpu_decode_attention.c` attends a step's decode requests on a float32 paged
-cache, reading K/V in place through the block tables (the SDPA path gathers them
-into a padded copy first). It is compiled once per machine with the system C
+`cpu_decode_attention.c` attends a step's decode requests on a float32 or bfloat16
+paged cache, reading K/V in place through the block tables (the SDPA path gathers
+them into a padded copy first). It is compiled once per machine with the system C
 compiler (`$CC`, else `cc` or `gcc`) into `native/` under spur's cache directory
 (`configs/env.py`), keyed by the source, the flags and the CPU's feature flags
 (the build uses -march=native). Without a compiler, or with SPUR_NATIVE_KERNELS=0,
@@ -12,8 +12,8 @@ once, with the compiler's message.
 The kernel runs on the calling thread. Splitting it over Python threads (ctypes
 releases the GIL) was measured slower inside the engine: torch's OpenMP workers
 keep spinning for a while after each op and take the second core (SmolLM2 fp32,
-24 requests, time in attention: 1 thread 3.3 to 3.4 s, 2 threads 4.2 to 4.4 s,
-SDPA path 5.1 to 6.5 s).
+24 requests, time in attention, first version of the kernel: 1 thread 3.3 to 3.4
+s, 2 threads 4.2 to 4.4 s).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
-SYMBOL = "spur_decode_attention_f32"
+SYMBOLS = {torch.float32: "spur_decode_attention_f32", torch.bfloat16: "spur_decode_attention_bf16"}
 
 _lock = threading.Lock()
 _library: dict[str, ctypes.CDLL | None] = {}
@@ -82,10 +82,11 @@ def build(cc: str | None = None) -> ctypes.CDLL:
             os.replace(tmp_out, out)  # atomic: a concurrent builder never loads half a file
     lib = ctypes.CDLL(str(out))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    fn = getattr(lib, SYMBOL)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64]
-    fn.argtypes += [i32, i32, i32, i32, ctypes.c_float]
+    for name in SYMBOLS.values():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64]
+        fn.argtypes += [i32, i32, i32, i32, ctypes.c_float]
     return lib
 
 
@@ -129,18 +130,17 @@ def plan_decodes(
 
 
 def decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | None:
-    """The C function, or None where the SDPA path serves: not on CPU, a cache that is
-    not float32 (16-bit caches are faster in SDPA, which reads them in their own
-    dtype; fp8 needs dequantizing), an inner stride other than 1, or no library
+    """The C function, or None where the SDPA path serves: not on CPU, a cache dtype
+    without a kernel (float16, fp8), an inner stride other than 1, or no library
     (SPUR_NATIVE_KERNELS=0, or the build failed)."""
-    if query.device.type != "cpu" or kv_cache.dtype != torch.float32:
+    if query.device.type != "cpu" or kv_cache.dtype not in SYMBOLS:
         return None
     if not env.native_kernels_enabled():
         return None
     if kv_cache.stride(-1) != 1:
         return None
     lib = _load()
-    return None if lib is None else getattr(lib, SYMBOL)
+    return None if lib is None else getattr(lib, SYMBOLS[kv_cache.dtype])
 
 
 def decode_attention(
@@ -155,7 +155,7 @@ def decode_attention(
     """Attention of the plan's decodes; writes out[plan.rows], nothing else.
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim] float32 views of one layer's cache.
+    block_size, num_kv_heads, head_dim] views of one layer's cache, in fn's dtype.
     """
     if k_cache.stride() != v_cache.stride():
         raise ValueError("K and V views of the cache must share one layout")

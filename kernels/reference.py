@@ -2,10 +2,10 @@
 
 These run on any device and are the CPU serving path, so they are written to be
 reasonably fast there: no per-token Python loops. Each prefill chunk is one SDPA
-call over its gathered context. Decode requests (one query token) on a float32
-CPU cache go to the native kernel (kernels/native.py, C, reads K/V in place);
-otherwise they are sorted by length and attended in groups, one SDPA call per
-group over their padded, gathered contexts.
+call over its gathered context. Decode requests (one query token) on a float32 or
+bfloat16 CPU cache go to the native kernel (kernels/native.py, C, reads K/V in
+place); otherwise they are sorted by length and attended in groups, one SDPA call
+per group over their padded, gathered contexts.
 
 KV cache layout of one attention layer (see kernels/__init__.py):
 
