@@ -117,15 +117,34 @@ def plan_decodes(
     rows: list[int],
     lens: list[int],
     sliding_window: int | None,
+    *,
+    num_blocks: int,
+    block_size: int,
 ) -> DecodePlan:
-    """Index arrays for decode requests `reqs`, given their query rows and context lengths."""
+    """Index arrays for decode requests `reqs`, given their query rows and context lengths.
+
+    Raises ValueError if a table could make the kernel read outside the cache (C has
+    no bounds checks): a block id outside [0, num_blocks) or a context longer than
+    its table row covers.
+    """
     firsts = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
+    tables = block_tables[torch.tensor(reqs)].to(torch.int32).contiguous()
+    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        raise ValueError(
+            f"block table holds ids outside [0, {num_blocks}): the metadata does not "
+            "belong to this KV cache"
+        )
+    if max(lens) > tables.shape[1] * block_size:
+        raise ValueError(
+            f"a context of {max(lens)} tokens needs more than the table's "
+            f"{tables.shape[1]} blocks of {block_size}: the block table is truncated"
+        )
     i32 = torch.int32
     return DecodePlan(
         rows=torch.tensor(rows, dtype=i32),
         firsts=torch.tensor(firsts, dtype=i32),
         lens=torch.tensor(lens, dtype=i32),
-        tables=block_tables[torch.tensor(reqs)].to(i32).contiguous(),
+        tables=tables,
     )
 
 

@@ -249,11 +249,17 @@ def paged_attention_ref(
     ctx = _Context(k_cache, v_cache, metadata.block_tables, k_scale, v_scale, is_fp8, dtypes)
 
     kernel = native.decode_kernel(query, kv_cache)
-    key = ("torch-reference", ctx.block_size, sliding_window, str(query.device), kernel is None)
+    num_blocks = k_cache.shape[0]
+    key = ("torch-reference", ctx.block_size, num_blocks, sliding_window, str(query.device))
+    key += (kernel is None,)
     layout = metadata.memo.get(key)
     if layout is None:  # first layer of the step: every later layer reuses it
         layout = metadata.memo[key] = _layout(
-            metadata, ctx.block_size, sliding_window, native_decodes=kernel is not None
+            metadata,
+            ctx.block_size,
+            sliding_window,
+            native_decodes=kernel is not None,
+            num_blocks=num_blocks,
         )
     prefills, groups, plan = layout
     for r, start, q_len, seq_len in prefills:
@@ -280,6 +286,7 @@ def _layout(
     sliding_window: int | None,
     *,
     native_decodes: bool,
+    num_blocks: int,
 ) -> tuple[list[tuple[int, int, int, int]], list[_DecodeGroup], native.DecodePlan | None]:
     """Prefill chunks (request, first row, query length, seq_len), then the decodes:
     one plan for the native kernel, or length groups for SDPA."""
@@ -297,7 +304,15 @@ def _layout(
         if not decodes:
             return prefills, [], None
         rows, lens = [starts[r] for r in decodes], [seq_lens[r] for r in decodes]
-        plan = native.plan_decodes(metadata.block_tables, decodes, rows, lens, sliding_window)
+        plan = native.plan_decodes(
+            metadata.block_tables,
+            decodes,
+            rows,
+            lens,
+            sliding_window,
+            num_blocks=num_blocks,
+            block_size=block_size,
+        )
         return prefills, [], plan
     groups = [
         _decode_indices(

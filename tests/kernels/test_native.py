@@ -75,3 +75,12 @@ def test_failed_compile_shows_the_command(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed"):
         native.build(cc="false")
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
+
+
+def test_out_of_range_block_ids_are_refused_before_the_kernel_reads():
+    """C has no bounds checks: a table that points past the cache is a clear error."""
+    case = make_case(DECODES)
+    num_blocks = case.kv_cache.shape[1]
+    case.metadata.block_tables[0, 0] = num_blocks  # one past the end
+    with pytest.raises(ValueError, match="outside"):
+        paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
