@@ -40,7 +40,7 @@ def triton_interpret() -> bool:
 
 def native_kernels_enabled() -> bool:
     """False when `SPUR_NATIVE_KERNELS` is 0 / false / off: the CPU path then uses
-    SDPA for fp32 decodes instead of the C kernel in kernels/native.py."""
+    SDPA for fp32 / bf16 decodes instead of the C kernel in kernels/native.py."""
     value = os.environ.get("SPUR_NATIVE_KERNELS", "1").strip().lower()
     return value not in ("0", "false", "off")
 

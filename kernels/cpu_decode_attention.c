@@ -7,9 +7,9 @@
  *
  * Per decode request, three passes over its window: scores of all query heads
  * (query head j reads KV head j / G, G = num_heads / num_kv_heads) and their max,
- * exp and sum, weighted sum of V; all float32 (bfloat16 K/V are widened as read). Positions are the outer loop: a
- * position's K (or V) rows of all heads are contiguous in the cache and read once,
- * in address order. Measured in the engine (SmolLM2 fp32, 64 requests, time inside
+ * exp and sum, weighted sum of V; all float32 (bfloat16 K/V are widened as read).
+ * Positions are the outer loop: a position's K (or V) rows of all heads are
+ * contiguous in the cache and read once, in address order. Measured in the engine (SmolLM2 fp32, 64 requests, time inside
  * attention): heads as the outer loop, re-reading each block once per KV head,
  * 39 to 40 s; positions outer 14 to 15 s; the SDPA path 25 to 30 s.
  *

@@ -115,19 +115,18 @@ def plan_decodes(
     block_tables: torch.Tensor,
     reqs: list[int],
     rows: list[int],
+    firsts: list[int],
     lens: list[int],
-    sliding_window: int | None,
     *,
     num_blocks: int,
     block_size: int,
 ) -> DecodePlan:
-    """Index arrays for decode requests `reqs`, given their query rows and context lengths.
+    """Index arrays for decode requests `reqs`: their query rows and windows [first, len).
 
     Raises ValueError if a table could make the kernel read outside the cache (C has
     no bounds checks): a block id outside [0, num_blocks) or a context longer than
     its table row covers.
     """
-    firsts = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
     tables = block_tables[torch.tensor(reqs)].to(torch.int32).contiguous()
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise ValueError(

@@ -180,10 +180,11 @@ def store_kv_ref(
 #
 #   position p  ->  cache[T[p // block_size], p % block_size]      [num_kv_heads, head_dim]
 #
-# A prefill chunk gathers its whole blocks and trims the ends. Decodes are gathered
-# together, slot by slot, into a [B, S] grid padded to the longest context; padding
-# cells repeat the request's last real slot, so they read finite, written values
-# (never an unwritten or stale block whose bytes may be NaN) and are then masked.
+# A prefill chunk gathers its whole blocks and trims the ends. Decodes (on the SDPA
+# path) are gathered per length group, slot by slot, into a [B, S] grid padded to
+# the group's longest context; padding cells repeat the request's last real slot,
+# so they read finite, written values (never an unwritten or stale block whose
+# bytes may be NaN) and are then masked. The C kernel reads only window positions.
 
 
 def _compute_dtypes(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
@@ -232,12 +233,13 @@ def paged_attention_ref(
         out: optional [num_tokens, num_heads, head_dim] buffer in query's dtype.
 
     Returns out (allocated if None) with padding rows zeroed. Scores and softmax
-    are accumulated in float32. A bfloat16 / float16 cache read by queries of the
-    same dtype is attended in that dtype (SDPA accumulates in float32 and rounds the
-    probabilities to the input dtype for the weighted sum, as the Triton kernel
-    does); this skips a float32 copy of every gathered K/V. Other combinations (fp32,
-    fp8, mixed) are computed in float32. Only context positions inside the window
-    are gathered.
+    are accumulated in float32. On CPU, decodes on a float32 or bfloat16 cache go to
+    the C kernel (kernels/native.py), float32 throughout. On the SDPA path a
+    bfloat16 / float16 cache read by queries of the same dtype is attended in that
+    dtype (SDPA accumulates in float32 and rounds the probabilities to the input
+    dtype for the weighted sum, as the Triton kernel does), which skips a float32
+    copy of every gathered K/V; other combinations (fp32, fp8, mixed) are computed
+    in float32. Only context positions inside the window are read.
     """
     check_attention_args(query, kv_cache, metadata, out, sliding_window)
     if out is None:
@@ -300,16 +302,19 @@ def _layout(
             decodes.append(r)
         elif q_len > 1:
             prefills.append((r, starts[r], q_len, seq_lens[r]))
+    # A decode at context length n attends to [first, n): its window.
+    first = {
+        r: 0 if sliding_window is None else max(0, seq_lens[r] - sliding_window) for r in decodes
+    }
     if native_decodes:
         if not decodes:
             return prefills, [], None
-        rows, lens = [starts[r] for r in decodes], [seq_lens[r] for r in decodes]
         plan = native.plan_decodes(
             metadata.block_tables,
             decodes,
-            rows,
-            lens,
-            sliding_window,
+            [starts[r] for r in decodes],
+            [first[r] for r in decodes],
+            [seq_lens[r] for r in decodes],
             num_blocks=num_blocks,
             block_size=block_size,
         )
@@ -319,9 +324,9 @@ def _layout(
             metadata.block_tables,
             group,
             [starts[r] for r in group],
+            [first[r] for r in group],
             [seq_lens[r] for r in group],
             block_size,
-            sliding_window,
         )
         for group in _length_groups(decodes, seq_lens)
     ]
@@ -427,15 +432,15 @@ def _decode_indices(
     block_tables: torch.Tensor,
     reqs: list[int],
     rows: list[int],
+    first: list[int],
     lens: list[int],
     block_size: int,
-    sliding_window: int | None,
 ) -> _DecodeGroup:
-    """Slots of one decode group's padded [B, S] grid. Padding cells repeat the
-    request's last real slot, so they read finite, written values (never an unwritten
-    or stale block whose bytes may be NaN) and are then masked."""
+    """Slots of one decode group's padded [B, S] grid over the windows [first, len).
+    Padding cells repeat the request's last real slot, so they read finite, written
+    values (never an unwritten or stale block whose bytes may be NaN) and are then
+    masked."""
     device = block_tables.device
-    first = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
     width = max(n - f for n, f in zip(lens, first, strict=True))
     lens_t = torch.tensor(lens, device=device)
     pos = torch.tensor(first, device=device)[:, None] + torch.arange(width, device=device)
