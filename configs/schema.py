@@ -358,6 +358,26 @@ class EngineConfig(_Section):
 # --------------------------------------------------------------------------------------
 
 
+class AutoscalingConfig(_Section):
+    """Replica autoscaling of one lane on LLM signals (waiting and running requests, KV
+    usage), through Ray Serve's autoscaler with spur's policy. Mutually exclusive
+    with the lane's fixed `replicas`."""
+
+    min_replicas: int = Field(1, ge=1, le=1024)
+    """Replicas the lane never goes below (at least 1: a lane always serves)."""
+    max_replicas: int = Field(ge=1, le=1024)
+    """Replicas the lane never goes above; each needs its own node."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas "
+                f"({self.min_replicas}): raise max_replicas or lower min_replicas"
+            )
+        return self
+
+
 class LaneConfig(_Section):
     """A named group of engine replicas serving one or more OpenAI model names.
     Replicas are spread at most one per node; `resources` pins them to chosen nodes."""
@@ -371,7 +391,15 @@ class LaneConfig(_Section):
     """The OpenAI `model` values that select this lane (listed by GET /v1/models).
     Default: the lane's name. Each name may belong to one lane only."""
     replicas: int = Field(1, ge=1, le=1024)
-    """Engine replicas; each needs its own node (at most one per node)."""
+    """Engine replicas; each needs its own node (at most one per node). A fixed count:
+    leave it out when `autoscaling` is set."""
+    autoscaling: AutoscalingConfig | None = None
+    """Scale the lane's replicas between min_replicas and max_replicas on load
+    (null: a fixed `replicas` count)."""
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600)
+    """On a planned removal (SIGTERM, Ctrl-C, scale-down) a replica stops taking new
+    requests and lets in-flight ones finish for this long, then aborts the rest with
+    a clear error. The Helm chart sizes the pods' termination grace from it."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The engine every replica of this lane runs."""
     resources: Resources = Field(default_factory=dict)
@@ -387,6 +415,15 @@ class LaneConfig(_Section):
     saturation_queue_threshold: int = Field(32, ge=1, le=1_000_000)
     """Waiting requests per replica beyond which the lane counts as saturated, and new
     traffic goes to the spare (when one serves this lane) until it drains."""
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> LaneConfig:
+        if self.autoscaling is not None and "replicas" in self.model_fields_set:
+            raise ValueError(
+                "replicas and autoscaling are mutually exclusive: remove replicas (the lane "
+                "scales between autoscaling.min_replicas and max_replicas) or remove autoscaling"
+            )
+        return self
 
     @field_validator("served_model_names")
     @classmethod
@@ -417,6 +454,8 @@ class SpareConfig(_Section):
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for the spare when it is at max_ongoing_requests; beyond
     that the API answers 503 with Retry-After."""
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600)
+    """Grace period of a planned removal of the spare (as LaneConfig.drain_timeout_s)."""
 
     @model_validator(mode="after")
     def _single_device(self) -> SpareConfig:
@@ -625,6 +664,7 @@ class SpurConfig(_Section):
 ALL_MODELS: tuple[type[BaseModel], ...] = (
     SpurConfig,
     LaneConfig,
+    AutoscalingConfig,
     EngineConfig,
     ModelConfig,
     CacheConfig,
