@@ -1,0 +1,362 @@
+"""The Helm chart (helm/spur): every preset renders a RayService that KubeRay's CRD,
+Ray Serve's schema and Kubernetes' own schemas accept, derived from the spur config
+without a second copy of it; bad values fail at install time with a message."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from ray._common.utils import import_attr
+from ray.serve import Application
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+
+from spur.configs import helm as chart_files
+from spur.configs.loader import PRESETS, load_config, parse_config, preset_path
+from spur.configs.schema import LaneConfig, SpareConfig, SpurConfig
+from tests.helm.conftest import (
+    CHART,
+    KUBE_VERSION,
+    crd_schema,
+    helm,
+    render_with,
+    validate_crd,
+)
+
+EXTRA_GRACE = 30  # values.yaml: drain.extraGraceSeconds
+
+
+def example_values(preset: str) -> dict[str, Any]:
+    """The chart's example values file of a preset, parsed as Helm parses `-f` files."""
+    return helm.values_from_yaml((CHART / "examples" / f"{preset}.yaml").read_text())
+
+
+def the(docs: dict[str, list[dict[str, Any]]], kind: str) -> dict[str, Any]:
+    (doc,) = docs[kind]
+    return doc
+
+
+def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def embedded_config(rayservice: dict[str, Any]) -> SpurConfig:
+    """The config the application builder will get, parsed with spur's own code."""
+    from spur.cluster.entry import config_from_args
+
+    (app,) = serve_config(rayservice)["applications"]
+    return config_from_args(app["args"])
+
+
+def validate_everything(docs: dict[str, list[dict[str, Any]]]) -> None:
+    """Every manifest against the schema a cluster would check it with."""
+    for kind, manifests in docs.items():
+        for doc in manifests:
+            if kind == "RayService":
+                validate_crd(doc, crd_schema("RayService"))
+                cluster = {
+                    "apiVersion": "ray.io/v1",
+                    "kind": "RayCluster",
+                    "metadata": {"name": doc["metadata"]["name"]},
+                    "spec": doc["spec"]["rayClusterConfig"],
+                }
+                validate_crd(cluster, crd_schema("RayCluster"))
+                ServeDeploySchema.model_validate(serve_config(doc))
+            elif kind in ("ServiceMonitor", "PrometheusRule"):
+                validate_crd(doc, crd_schema(kind))
+            else:
+                kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def check_groups(rayservice: dict[str, Any], cfg: SpurConfig) -> None:
+    """Worker groups, Serve deployments and pod settings follow the config."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    sources: list[LaneConfig | SpareConfig] = list(cfg.lanes)
+    if cfg.spare is not None:
+        sources.append(cfg.spare)
+    assert list(groups) == [s.name for s in sources]
+    deployments = {d["name"]: d for d in serve_config(rayservice)["applications"][0]["deployments"]}
+    assert deployments["ingress"]["num_replicas"] == cfg.server.ingress_replicas
+    for source in sources:
+        group = groups[source.name]
+        scaling = getattr(source, "autoscaling", None)
+        fixed = getattr(source, "replicas", 1)
+        low, high = (scaling.min_replicas, scaling.max_replicas) if scaling else (fixed, fixed)
+        assert (group["minReplicas"], group["maxReplicas"], group["replicas"]) == (low, high, low)
+        want_resources = {k: str(int(v) if v == int(v) else v) for k, v in source.resources.items()}
+        if isinstance(source, SpareConfig) and not source.resources:
+            want_resources = {"spare": "1"}
+        assert group.get("resources", {}) == want_resources
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        gpus = source.engine.parallelism.num_gpus_per_replica
+        limits = container["resources"]["limits"]
+        assert limits.get("nvidia.com/gpu", 0) == gpus
+        assert pod["terminationGracePeriodSeconds"] == math.ceil(source.drain_timeout_s) + (
+            EXTRA_GRACE
+        )
+        assert "readinessProbe" not in container and "livenessProbe" not in container
+        assert {"name": "RAY_SERVE_PROXY_USE_GRPC", "value": "1"} in container["env"]
+        options = deployments[f"engine-{source.name}"]
+        assert options["max_ongoing_requests"] == source.max_ongoing_requests
+        assert options["max_queued_requests"] == source.max_queued_requests
+        assert options["graceful_shutdown_timeout_s"] == math.ceil(source.drain_timeout_s)
+        if scaling:
+            bounds = options["autoscaling_config"]
+            assert (bounds["min_replicas"], bounds["max_replicas"]) == (low, high)
+            assert "num_replicas" not in options
+        else:
+            assert options["num_replicas"] == fixed
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    (head_container,) = head["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in head_container["resources"].get("limits", {})
+    assert "readinessProbe" not in head_container
+    assert cluster["enableInTreeAutoscaling"] is True
+    http = serve_config(rayservice)["http_options"]
+    assert http == {"host": "0.0.0.0", "port": cfg.server.port}
+
+
+def test_generated_files_are_fresh() -> None:
+    stale = chart_files.stale_files(CHART)
+    assert not stale, f"stale {stale}: run `python -m spur.configs.helm`"
+
+
+def test_values_schema_is_the_config_schema() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["spur"]["$ref"] == "#/$defs/SpurConfig"
+    lane = schema["$defs"]["LaneConfig"]["properties"]
+    assert lane["replicas"]["minimum"] == LaneConfig.model_fields["replicas"].metadata[0].ge
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_renders_validates_and_round_trips(chart: Any, preset: str) -> None:
+    values = example_values(preset)
+    docs = render_with(chart, values)
+    validate_everything(docs)
+    rayservice = the(docs, "RayService")
+    expected = load_config(preset)
+    assert embedded_config(rayservice) == expected
+    # What Serve does with the application entry when KubeRay submits serveConfigV2.
+    (app,) = serve_config(rayservice)["applications"]
+    built = call_user_app_builder_with_args_if_necessary(
+        import_attr(app["import_path"]), app["args"]
+    )
+    assert isinstance(built, Application)
+    check_groups(rayservice, expected)
+    assert len(docs["PodDisruptionBudget"]) == len(expected.lanes) + (expected.spare is not None)
+    lint = helm.lint(str(CHART), values, strict=False)
+    assert not lint["errors"], lint
+
+
+def test_preset_passed_whole_as_text(render: Any) -> None:
+    text = preset_path("gpu-h200-tp2").read_text()
+    docs = render({"spurConfigYaml": text})
+    validate_everything(docs)
+    rayservice = the(docs, "RayService")
+    (app,) = serve_config(rayservice)["applications"]
+    assert app["args"] == {"config_yaml": text}
+    cfg = load_config("gpu-h200-tp2")
+    assert embedded_config(rayservice) == cfg
+    check_groups(rayservice, cfg)
+    # GPU groups: GPUs = tensor-parallel size, GPU node tolerations.
+    chat, spare = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert chat["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert spare["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert chat["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_defaults_of_the_templates_match_the_schema(render: Any) -> None:
+    """A config that leaves everything to its defaults derives what pydantic derives."""
+    tree = {
+        "lanes": [
+            {"name": "chat"},
+            {
+                "name": "code",
+                "engine": {"parallelism": {"tensor_parallel_size": 4, "device": "cuda"}},
+            },
+        ],
+        "spare": {"serves_lanes": ["chat"]},
+    }
+    docs = render({"spur": tree})
+    validate_everything(docs)
+    check_groups(the(docs, "RayService"), parse_config(tree))
+
+
+def test_autoscaling_lane_gets_group_and_serve_bounds(render: Any) -> None:
+    tree = {
+        "lanes": [
+            {
+                "name": "chat",
+                "autoscaling": {"min_replicas": 2, "max_replicas": 6},
+                "drain_timeout_s": 90.5,
+                "resources": {"lane-chat": 1},
+                "engine": {"parallelism": {"device": "cuda", "tensor_parallel_size": 2}},
+            }
+        ]
+    }
+    # Any importable policy function: Serve imports it when it validates the config.
+    policy = "ray.serve.autoscaling_policy:default_autoscaling_policy"
+    docs = render({"spur": tree, "serve": {"autoscalingPolicy": policy}})
+    validate_everything(docs)
+    rayservice = the(docs, "RayService")
+    check_groups(rayservice, parse_config(tree))
+    deployments = serve_config(rayservice)["applications"][0]["deployments"]
+    assert deployments[1]["autoscaling_config"]["policy"] == {"policy_function": policy}
+    group = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    hook = group["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert "--deadline-remaining-seconds 91" in hook[-1]
+
+
+def test_storage_secrets_and_placement(render: Any) -> None:
+    values = {
+        "modelStorage": {"type": "pvc", "claimName": "models"},
+        "groups": {
+            "chat": {
+                "modelStorage": {"type": "hostPath", "hostPath": "/mnt/models"},
+                "nodeSelector": {"pool": "h200"},
+            }
+        },
+        "rayAuth": {"enabled": True, "secretName": "ray-token"},
+        "apiKeys": {"secretName": "spur-keys", "key": "keys"},
+    }
+    docs = render(values)
+    validate_everything(docs)
+    spec = the(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert spec["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    head = spec["headGroupSpec"]["template"]["spec"]
+    assert head["volumes"] == [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ]
+    mount = head["containers"][0]["volumeMounts"][0]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    keys = [e for e in head["containers"][0]["env"] if e["name"] == "SPUR_API_KEYS"]
+    assert keys[0]["valueFrom"]["secretKeyRef"] == {"name": "spur-keys", "key": "keys"}
+    chat = spec["workerGroupSpecs"][0]["template"]["spec"]
+    assert chat["volumes"][0]["hostPath"]["path"] == "/mnt/models"
+    assert chat["nodeSelector"] == {"pool": "h200"}
+
+
+def test_observability_toggles_render_nothing_without_files(render: Any) -> None:
+    on = {"enabled": True}
+    docs = render({"metrics": {"serviceMonitor": on, "dashboards": on, "alerts": on}})
+    validate_everything(docs)
+    assert "ConfigMap" not in docs and "PrometheusRule" not in docs
+    monitor = the(docs, "ServiceMonitor")
+    api = the(docs, "RayService")["spec"]["serveService"]
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    assert wanted.items() <= api["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == api["spec"]["ports"][0]["name"]
+
+
+def test_observability_files_become_configmap_and_rule(chart_copy: Path) -> None:
+    dashboards = chart_copy / "files" / "dashboards"
+    dashboards.mkdir(parents=True)
+    (dashboards / "spur.json").write_text(json.dumps({"title": "spur", "panels": []}))
+    rules = {
+        "groups": [
+            {
+                "name": "spur",
+                "rules": [{"alert": "SpurDown", "expr": "up == 0", "for": "5m"}],
+            }
+        ]
+    }
+    (chart_copy / "files" / "alerts.yaml").write_text(yaml.safe_dump(rules))
+    on = {"enabled": True}
+    with helm.Chart.load(str(chart_copy)) as copy:
+        docs = render_with(copy, {"metrics": {"dashboards": on, "alerts": on}})
+    validate_everything(docs)
+    configmap = the(docs, "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(configmap["data"]["spur.json"])["title"] == "spur"
+    assert the(docs, "PrometheusRule")["spec"] == rules
+
+
+BAD_VALUES = [
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat", "replicas": -1}]}},
+        ["/spur/lanes/0/replicas", "minimum"],
+        id="negative-replicas",
+    ),
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat"}], "spare": {"serves_lanes": ["caht"]}}},
+        ["spur.spare.serves_lanes[0]", 'no lane is named "caht"'],
+        id="unknown-spare-lane",
+    ),
+    pytest.param(
+        {
+            "spur": {
+                "lanes": [
+                    {
+                        "name": "chat",
+                        "engine": {"parallelism": {"device": "cuda", "tensor_parallel_size": 4}},
+                    }
+                ]
+            },
+            "groups": {"chat": {"gpus": 2}},
+        },
+        ["groups.chat.gpus is 2", "tensor_parallel_size is 4", "at least 4 GPUs"],
+        id="tp-larger-than-gpus",
+    ),
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat", "replicas": 2, "autoscaling": {"max_replicas": 4}}]}},
+        ["/spur/lanes/0/replicas", "mutually exclusive"],
+        id="replicas-and-autoscaling",
+    ),
+    pytest.param(
+        {
+            "spur": {
+                "lanes": [{"name": "chat", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}]
+            }
+        },
+        ["max_replicas (2) is below min_replicas (3)"],
+        id="autoscaling-bounds",
+    ),
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat", "replica": 2}]}},
+        ["/spur/lanes/0", "replica"],
+        id="unknown-key",
+    ),
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat", "engine": {"cache": {"kv_cache_bytes": "1 GB!"}}}]}},
+        ["/spur/lanes/0/engine/cache/kv_cache_bytes"],
+        id="not-a-size",
+    ),
+    pytest.param(
+        {"spurConfigYaml": "lanes: [unclosed"},
+        ["spurConfigYaml is not a YAML mapping"],
+        id="config-text-not-yaml",
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "words"), BAD_VALUES)
+def test_bad_values_fail_at_install_with_a_message(
+    chart: Any, values: dict[str, Any], words: list[str]
+) -> None:
+    with pytest.raises(helm.HelmError) as failure:
+        chart.render(values, name="spur", namespace="llm")
+    for word in words:
+        assert word in str(failure.value)
+
+
+def test_size_strings_follow_the_loader() -> None:
+    """The schema's size pattern accepts exactly what parse_size accepts (on a sample)."""
+    import re
+
+    from spur.configs.schema import parse_size
+
+    for text in ["1GiB", "512 MiB", "1.5GB", "1_000_000", "2gib", "7b", "3Ki", "x", "1 GB!", "1PB"]:
+        try:
+            parse_size(text)
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert bool(re.match(chart_files.SIZE_STRING_PATTERN, text)) == accepted, text
