@@ -124,6 +124,47 @@ def check_groups(rayservice: dict[str, Any], cfg: SpurConfig) -> None:
     assert http == {"host": "0.0.0.0", "port": cfg.server.port}
 
 
+def _cpus(quantity: str | int | float) -> float:
+    text = str(quantity)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def check_one_replica_fits_each_pod(rayservice: dict[str, Any], app: Application) -> None:
+    """Ray resources of one engine replica (as build_app asks for them: actor options, or
+    the placement-group bundles of a TP>1 replica) fit in one pod of its worker group,
+    so the autoscaler has a node type to launch; and in no head pod."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    engines = app._bound_deployment.init_args[0]
+    for name, bound in engines.items():
+        deployment = bound._bound_deployment
+        bundles = deployment._replica_config.placement_group_bundles
+        if not bundles:
+            options = deployment.ray_actor_options
+            bundles = [
+                {
+                    "CPU": options.get("num_cpus", 1),
+                    "GPU": options.get("num_gpus", 0),
+                    **options.get("resources", {}),
+                }
+            ]
+        demand: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                demand[key] = demand.get(key, 0) + amount
+        group = groups[name]
+        (container,) = group["template"]["spec"]["containers"]
+        limits = container["resources"]["limits"]
+        supply = {
+            "CPU": _cpus(group["rayStartParams"].get("num-cpus", limits["cpu"])),
+            "GPU": float(limits.get("nvidia.com/gpu", 0)),
+            **{k: float(v) for k, v in group.get("resources", {}).items()},
+        }
+        for key, amount in demand.items():
+            assert amount <= supply.get(key, 0), (name, key, amount, supply)
+        assert demand.get("CPU", 0) > float(cluster["headGroupSpec"]["rayStartParams"]["num-cpus"])
+
+
 def test_generated_files_are_fresh() -> None:
     stale = chart_files.stale_files(CHART)
     assert not stale, f"stale {stale}: run `python -m spur.configs.helm`"
@@ -150,22 +191,30 @@ def test_preset_renders_validates_and_round_trips(chart: Any, preset: str) -> No
         import_attr(app["import_path"]), app["args"]
     )
     assert isinstance(built, Application)
+    names = {built._bound_deployment.name} | {
+        bound._bound_deployment.name for bound in built._bound_deployment.init_args[0].values()
+    }
+    assert names == {d["name"] for d in app["deployments"]}
+    check_one_replica_fits_each_pod(rayservice, built)
     check_groups(rayservice, expected)
     assert len(docs["PodDisruptionBudget"]) == len(expected.lanes) + (expected.spare is not None)
     lint = helm.lint(str(CHART), values, strict=False)
     assert not lint["errors"], lint
 
 
-def test_preset_passed_whole_as_text(render: Any) -> None:
-    text = preset_path("gpu-h200-tp2").read_text()
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_passed_whole_as_text(render: Any, preset: str) -> None:
+    text = preset_path(preset).read_text()
     docs = render({"spurConfigYaml": text})
     validate_everything(docs)
     rayservice = the(docs, "RayService")
     (app,) = serve_config(rayservice)["applications"]
     assert app["args"] == {"config_yaml": text}
-    cfg = load_config("gpu-h200-tp2")
+    cfg = load_config(preset)
     assert embedded_config(rayservice) == cfg
     check_groups(rayservice, cfg)
+    if preset != "gpu-h200-tp2":
+        return
     # GPU groups: GPUs = tensor-parallel size, GPU node tolerations.
     chat, spare = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert chat["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -187,7 +236,11 @@ def test_defaults_of_the_templates_match_the_schema(render: Any) -> None:
     }
     docs = render({"spur": tree})
     validate_everything(docs)
-    check_groups(the(docs, "RayService"), parse_config(tree))
+    rayservice = the(docs, "RayService")
+    check_groups(rayservice, parse_config(tree))
+    from spur.cluster.entry import app_builder
+
+    check_one_replica_fits_each_pod(rayservice, app_builder({"config": tree}))
 
 
 def test_autoscaling_lane_gets_group_and_serve_bounds(render: Any) -> None:
@@ -232,15 +285,17 @@ def test_storage_secrets_and_placement(render: Any) -> None:
     spec = the(docs, "RayService")["spec"]["rayClusterConfig"]
     assert spec["authOptions"] == {"mode": "token", "secretName": "ray-token"}
     head = spec["headGroupSpec"]["template"]["spec"]
-    assert head["volumes"] == [
-        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
-    ]
-    mount = head["containers"][0]["volumeMounts"][0]
+    assert head["volumes"][1] == {
+        "name": "models",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    }
+    mount = head["containers"][0]["volumeMounts"][1]
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
     keys = [e for e in head["containers"][0]["env"] if e["name"] == "SPUR_API_KEYS"]
     assert keys[0]["valueFrom"]["secretKeyRef"] == {"name": "spur-keys", "key": "keys"}
     chat = spec["workerGroupSpecs"][0]["template"]["spec"]
-    assert chat["volumes"][0]["hostPath"]["path"] == "/mnt/models"
+    assert chat["volumes"][1]["hostPath"]["path"] == "/mnt/models"
+    assert chat["containers"][0]["volumeMounts"][0]["mountPath"] == "/dev/shm"
     assert chat["nodeSelector"] == {"pool": "h200"}
 
 

@@ -148,10 +148,14 @@ Environment of every Ray container.
 {{- end -}}
 
 {{/*
-Model storage volume and mount of a group: (dict "storage" S "root" $).
+Volumes of a pod: Ray's object store in memory (/dev/shm: a container's default 64 MiB
+would push it to disk) and the model storage of its group, (dict "storage" S).
 */}}
 {{- define "spur.volumes" -}}
-{{- $s := .storage -}}
+{{- $s := .storage }}
+- name: shm
+  emptyDir:
+    medium: Memory
 {{- if eq $s.type "pvc" }}
 - name: models
   persistentVolumeClaim:
@@ -166,6 +170,8 @@ Model storage volume and mount of a group: (dict "storage" S "root" $).
 {{- end -}}
 
 {{- define "spur.volumeMounts" -}}
+- name: shm
+  mountPath: /dev/shm
 {{- if ne .type "none" }}
 - name: models
   mountPath: {{ .mountPath | default "/models" }}
