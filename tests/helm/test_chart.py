@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,8 @@ def test_autoscaling_lane_gets_group_and_serve_bounds(render: Any) -> None:
     group = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     hook = group["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert "--deadline-remaining-seconds 91" in hook[-1]
+    syntax = subprocess.run(["bash", "-n", "-c", hook[-1]], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
 
 
 def test_storage_secrets_and_placement(render: Any) -> None:

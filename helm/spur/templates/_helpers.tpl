@@ -193,5 +193,7 @@ preStop:
       - |
         ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --reason-message "pod $HOSTNAME terminating" --deadline-remaining-seconds {{ .seconds }} || true
         end=$((SECONDS + {{ .seconds }}))
-        while [ "$SECONDS" -lt "$end" ] && pgrep -f "ServeReplica:" >/dev/null; do sleep 1; done
+        # Replica processes are titled "ray::ServeReplica:..." ("[S]" keeps grep from
+        # matching this script's own command line).
+        while [ "$SECONDS" -lt "$end" ] && grep -qs "[S]erveReplica:" /proc/[0-9]*/cmdline; do sleep 1; done
 {{- end -}}
