@@ -152,7 +152,7 @@ Volumes of a pod: Ray's object store in memory (/dev/shm: a container's default 
 would push it to disk) and the model storage of its group, (dict "storage" S).
 */}}
 {{- define "spur.volumes" -}}
-{{- $s := .storage }}
+{{- $s := .storage -}}
 - name: shm
   emptyDir:
     medium: Memory
