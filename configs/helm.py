@@ -158,6 +158,10 @@ def chart_properties() -> dict[str, Any]:
             "spurConfigYaml=configs/gpu-h200-tp2.yaml); replaces `spur` when set, and is "
             "validated when the application starts.",
         },
+        "global": {
+            "type": "object",
+            "description": "Helm's values shared with a parent chart (unused by this chart).",
+        },
         "nameOverride": {"type": "string"},
         "fullnameOverride": {"type": "string", "maxLength": 40},
         "rayVersion": {"type": "string"},
