@@ -220,7 +220,7 @@ def check_groups(rayservice: dict[str, Any], cfg: SpurConfig) -> None:
         options = deployments[f"engine-{source.name}"]
         assert options["max_ongoing_requests"] == source.max_ongoing_requests
         assert options["max_queued_requests"] == source.max_queued_requests
-        assert options["graceful_shutdown_timeout_s"] == math.ceil(source.drain_timeout_s)
+        assert options["graceful_shutdown_timeout_s"] == source.drain_timeout_s
         if scaling:
             bounds = options["autoscaling_config"]
             assert (bounds["min_replicas"], bounds["max_replicas"]) == (low, high)
