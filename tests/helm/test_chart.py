@@ -290,6 +290,18 @@ def test_values_schema_is_the_config_schema() -> None:
     assert lane["replicas"]["minimum"] == LaneConfig.model_fields["replicas"].metadata[0].ge
 
 
+@pytest.mark.parametrize("validator", [jsonschema.Draft7Validator, jsonschema.Draft202012Validator])
+def test_values_schema_reads_the_same_in_draft_7_and_2020_12(validator: Any) -> None:
+    """Helm 3 before 3.18 validates with draft 7, later Helm with 2020-12."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    check = validator(schema)
+    for preset in PRESETS:
+        check.validate(example_values(preset))
+    check.validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+    bad = {"spur": {"lanes": [{"name": "chat", "replicas": 2, "autoscaling": {"max_replicas": 3}}]}}
+    assert [e.json_path for e in check.iter_errors(bad)] == ["$.spur.lanes[0].replicas"]
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_renders_validates_and_round_trips(chart: Any, preset: str) -> None:
     values = example_values(preset)
