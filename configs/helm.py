@@ -104,9 +104,12 @@ def config_schema() -> dict[str, Any]:
 
 
 def _object(description: str, properties: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An object schema; with `properties`, other keys are refused (a typo fails the
+    install instead of being ignored)."""
     node: dict[str, Any] = {"type": "object", "description": description}
     if properties is not None:
         node["properties"] = properties
+        node["additionalProperties"] = False
     return node
 
 
@@ -123,7 +126,6 @@ _STORAGE = _object(
         "mountPath": {"type": "string", "pattern": "^/"},
     },
 )
-_STORAGE["additionalProperties"] = False
 
 _POD = {
     "resources": _object("Kubernetes requests and limits of the Ray container."),
@@ -144,7 +146,6 @@ _GROUP = _object(
         "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
     },
 )
-_GROUP["additionalProperties"] = False
 
 
 def chart_properties() -> dict[str, Any]:

@@ -512,6 +512,11 @@ BAD_VALUES = [
         id="not-a-size",
     ),
     pytest.param(
+        {"workers": {"nodeSelektor": {"pool": "gpu"}}},
+        ["/workers", "'nodeSelektor' not allowed"],
+        id="chart-values-typo",
+    ),
+    pytest.param(
         {"spurConfigYaml": "lanes: [unclosed"},
         ["spurConfigYaml is not a YAML mapping"],
         id="config-text-not-yaml",
