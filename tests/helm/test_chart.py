@@ -28,7 +28,7 @@ import yaml
 from ray._common.utils import import_attr
 from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
 from spur.configs import helm as chart_files
 from spur.configs.loader import PRESETS, load_config, parse_config, preset_path
@@ -167,6 +167,17 @@ def embedded_config(rayservice: dict[str, Any]) -> SpurConfig:
     return config_from_args(app["args"])
 
 
+def validate_serve_config(serve: dict[str, Any]) -> None:
+    """ServeDeploySchema, plus what it lets through: Serve's schemas ignore unknown keys,
+    so a misspelt option would be dropped silently."""
+    ServeDeploySchema.model_validate(serve)
+    assert set(serve) <= set(ServeDeploySchema.model_fields)
+    for app in serve["applications"]:
+        assert set(app) <= set(ServeApplicationSchema.model_fields), app.keys()
+        for deployment in app.get("deployments", []):
+            assert set(deployment) <= set(DeploymentSchema.model_fields), deployment.keys()
+
+
 def validate_everything(docs: dict[str, list[dict[str, Any]]]) -> None:
     """Every manifest against the schema a cluster would check it with."""
     for kind, manifests in docs.items():
@@ -180,7 +191,7 @@ def validate_everything(docs: dict[str, list[dict[str, Any]]]) -> None:
                     "spec": doc["spec"]["rayClusterConfig"],
                 }
                 validate_crd(cluster, crd_schema("RayCluster"))
-                ServeDeploySchema.model_validate(serve_config(doc))
+                validate_serve_config(serve_config(doc))
             elif kind in ("ServiceMonitor", "PrometheusRule"):
                 validate_crd(doc, crd_schema(kind))
             else:
@@ -459,6 +470,41 @@ def test_observability_files_become_configmap_and_rule(chart_copy: Path) -> None
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(configmap["data"]["spur.json"])["title"] == "spur"
     assert the(docs, "PrometheusRule")["spec"] == rules
+
+
+def test_the_validators_reject_broken_manifests(render: Any) -> None:
+    """The schema checks above are not vacuous: each refuses a broken copy."""
+    import copy as copying
+
+    import pydantic
+
+    on = {"enabled": True}
+    docs = render({"metrics": {"serviceMonitor": on}})
+    rayservice = the(docs, "RayService")
+    broken = copying.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_crd(broken, crd_schema("RayService"))
+    serve = serve_config(rayservice)
+    serve["applications"][0]["deployments"][1]["num_replicas"] = "lots"
+    with pytest.raises(pydantic.ValidationError):
+        validate_serve_config(serve)
+    serve = serve_config(rayservice)
+    serve["applications"][0]["deployments"][1]["num_replicaz"] = 2
+    with pytest.raises(AssertionError):
+        validate_serve_config(serve)
+    pdb = copying.deepcopy(docs["PodDisruptionBudget"][0])
+    pdb["spec"]["maxUnavailable"] = [1]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pdb, KUBE_VERSION, strict=True)
+    monitor = copying.deepcopy(the(docs, "ServiceMonitor"))
+    del monitor["spec"]["selector"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_crd(monitor, crd_schema("ServiceMonitor"))
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A"}]}]}}  # fmt: skip
+    with pytest.raises(jsonschema.ValidationError):
+        validate_crd(rule, crd_schema("PrometheusRule"))
 
 
 BAD_VALUES = [
