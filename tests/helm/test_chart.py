@@ -105,10 +105,34 @@ def _fill(schema: dict[str, Any], value: Any) -> None:
             _fill(schema["items"], item)
 
 
+def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields the schema does not declare. The API server drops them from a custom
+    resource (structural pruning) instead of refusing it, so a misspelt field would
+    vanish; `kubectl apply --validate=strict` reports them."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, sub in value.items():
+            if props is not None and key in props:
+                found += unknown_fields(props[key], sub, f"{path}.{key}")
+            elif isinstance(extra, dict):
+                found += unknown_fields(extra, sub, f"{path}.{key}")
+            elif props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                found.append(f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found += unknown_fields(schema["items"], item, f"{path}[{i}]")
+    return found
+
+
 def validate_crd(doc: dict[str, Any], schema: dict[str, Any]) -> None:
-    """Validate like the API server would (defaults first). Raises jsonschema's
-    ValidationError with the failing path."""
+    """Validate like the API server would (defaults first), and refuse undeclared fields
+    as strict field validation does. Raises jsonschema's ValidationError."""
     jsonschema.Draft7Validator(schema).validate(apply_defaults(schema, doc))
+    unknown = unknown_fields(schema, doc)
+    if unknown:
+        raise jsonschema.ValidationError(f"unknown fields: {', '.join(unknown)}")
 
 
 @pytest.fixture(scope="session")
@@ -484,6 +508,10 @@ def test_the_validators_reject_broken_manifests(render: Any) -> None:
     broken = copying.deepcopy(rayservice)
     broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplicas"] = "two"
     with pytest.raises(jsonschema.ValidationError):
+        validate_crd(broken, crd_schema("RayService"))
+    broken = copying.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["idleTimeoutSecond"] = 60
+    with pytest.raises(jsonschema.ValidationError, match="idleTimeoutSecond"):
         validate_crd(broken, crd_schema("RayService"))
     serve = serve_config(rayservice)
     serve["applications"][0]["deployments"][1]["num_replicas"] = "lots"
