@@ -50,12 +50,14 @@ def stop(cfg: SpurConfig) -> None:
     import ray
     from ray import serve
 
+    from spur.cluster.limits import kill_limits
     from spur.cluster.routing.index_actor import kill_index
 
     try:
         serve.delete(APP_NAME)
         serve.shutdown()
         kill_index()
+        kill_limits()
     finally:
         if cfg.server.embedded_ray:
             ray.shutdown()
