@@ -27,7 +27,7 @@ _EXPORTS = {
     "CompletionOutput": "spur.actors.engine.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from spur.actors.engine.outputs import CompletionOutput, RequestOutput
