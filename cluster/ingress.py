@@ -18,10 +18,11 @@ blocks. No client input makes this answer 5xx or stop serving: a 500 means a bug
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -134,6 +135,29 @@ async def _collect(fan: FanOut, n: int, prompts: list[list[int]]) -> list[Reques
         elif item["type"] == "final":
             out.num_cached_tokens = item.get("num_cached_tokens", 0)
     return outs
+
+
+@contextlib.contextmanager
+def _own_internal_request_id() -> Iterator[None]:
+    """Give the handle call(s) made inside a fresh Serve internal request id.
+
+    Serve 2.60 copies the HTTP request's internal id into every handle call made
+    while serving it, and its request router indexes pending requests by that id:
+    of two calls of one HTTP request pending at once (a completion's prompts,
+    opened concurrently), the second is never assigned a replica and waits
+    forever. One id per engine call keeps them apart (the public request_id,
+    used in logs and tracing, stays the HTTP request's)."""
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+    current = _get_serve_request_context()
+    token = _serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=generate_request_id())
+    )
+    try:
+        yield
+    finally:
+        _serve_request_context.reset(token)
 
 
 def _as_protocol_error(exc: BaseException) -> ProtocolError:
@@ -436,9 +460,10 @@ class Ingress:
                 }
             if attempt:  # a retry may reach a replica that still holds the old id
                 payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
-            gen = target.handle.options(
-                stream=True, _by_reference=self.by_reference
-            ).generate.remote(payload)
+            with _own_internal_request_id():
+                gen = target.handle.options(
+                    stream=True, _by_reference=self.by_reference
+                ).generate.remote(payload)
             first_task = asyncio.ensure_future(gen.__anext__())
             try:
                 await self._first_item(lane, name, first_task)
