@@ -24,6 +24,7 @@ from ray.serve.exceptions import BackPressureError
 from spur.actors.engine.hashing import BlockHasher
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from spur.cluster import metrics as M
 from spur.cluster import protocol as P
 from spur.cluster.errors import (
     ProtocolError,
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 NO_REPLICA_TIMEOUT_S = 15.0
 app = FastAPI(title="spur", version=VERSION)
+app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/metrics.py)
 
 
 # -- module helpers ---------------------------------------------------------------------
@@ -115,7 +117,10 @@ def _as_protocol_error(exc: BaseException) -> ProtocolError:
 
 
 def _error_response(exc: ProtocolError) -> Response:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers or None)
+    headers = dict(exc.headers or {})
+    if exc.code:  # read (and removed) by the metrics middleware
+        headers[M.ERROR_CODE_HEADER.decode()] = exc.code
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers or None)
 
 
 class _Lane:
@@ -166,6 +171,9 @@ class Ingress:
         )
         self.index = get_index(index_kwargs_of(router))
         self._monitor: asyncio.Task[None] | None = None
+        self.metrics_on = bool(config["server"].get("metrics", True))
+        M.HTTP.enabled = self.metrics_on
+        self.ingress_id = M.ingress_id()
 
     # -- helpers ----------------------------------------------------------------------
     async def _lane(self, model: str | None) -> tuple[str, _Lane]:
@@ -235,7 +243,10 @@ class Ingress:
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_lanes())
 
     async def _monitor_lanes(self, period_s: float = 0.25) -> None:
-        """Poll the index's health view; move lanes to and from their spare."""
+        """Poll the index's health view; move lanes to and from their spare; push
+        this replica's metrics counters every second."""
+        loop = asyncio.get_running_loop()
+        pushed = 0.0
         while True:
             try:
                 counts = await self.index.healthy_counts.remote(list(self.lanes))
@@ -248,13 +259,23 @@ class Ingress:
                 }
                 for lane, reason in self.selector.update(views):
                     self._switched(lane, reason)
+                if self.metrics_on and loop.time() - pushed >= 1.0:
+                    pushed = loop.time()
+                    self.index.push_ingress.remote(
+                        self.ingress_id, M.HTTP.snapshot(), self._lane_states()
+                    )
             except Exception as exc:
                 logger.warning("lane monitor: %s", exc)
             await asyncio.sleep(period_s)
 
+    def _lane_states(self) -> dict[str, Any]:
+        """Per primary lane: its target now, why, and its spare (for /metrics)."""
+        return M.lane_states(self.selector, self.primaries)
+
     def _switched(self, lane: str, reason: str) -> None:
         logger.warning("lane %s now served by %s (%s)", lane, self.selector.target(lane), reason)
         self.index.count.remote(lane, "to_primary" if reason == "primary" else "to_spare")
+        M.count_switch(M.HTTP, self.selector, lane, reason)
 
     def _on_event(self, lane: str) -> Any:
         def on_event(name: str, replica_id: str | None) -> None:  # failover.EngineStream
@@ -547,6 +568,24 @@ class Ingress:
     @app.get("/version")
     async def version(self) -> Response:
         return JSONResponse({"version": VERSION})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: every engine, ingress and lane of the deployment
+        (cluster/metrics.py), whichever ingress replica answers."""
+        if not self.metrics_on:
+            return _error_response(
+                ProtocolError(404, "metrics are off (server.metrics: false)", code="not_found")
+            )
+        self._ensure_monitor()
+        try:
+            view = await self.index.metrics_view.remote(
+                list(self.lanes), self.ingress_id, M.HTTP.snapshot(), self._lane_states()
+            )
+        except Exception as exc:
+            return _error_response(service_unavailable(f"the KV index is unavailable ({exc})", 1.0))
+        body = await asyncio.to_thread(M.render, view, self.config)
+        return Response(body, media_type=M.CONTENT_TYPE)
 
     @app.get("/admin/config")
     async def admin_config(self) -> Response:

@@ -48,3 +48,9 @@ def native_kernels_enabled() -> bool:
 def c_compiler() -> str | None:
     """`CC`, if set: the compiler that builds kernels/native.py's C source."""
     return os.environ.get("CC") or None
+
+
+def test_settings_allowed() -> bool:
+    """`SPUR_ALLOW_TEST_SETTINGS=1`: config fields documented as TESTS ONLY (a
+    deliberately broken engine) are accepted; otherwise `build_app` refuses them."""
+    return os.environ.get("SPUR_ALLOW_TEST_SETTINGS", "") == "1"

@@ -304,6 +304,10 @@ class RuntimeConfig(_Section):
     """torch intra-op threads per worker, and the CPUs a TP=1 engine replica reserves
     in Ray (Ray sets OMP_NUM_THREADS to that reservation). Unset: 1 CPU reserved,
     torch's default threads; set it when several engines share a machine."""
+    test_leak_blocks_per_step: int = Field(0, ge=0, le=64)
+    """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
+    request at every step, as a retirement bug would (the leak metrics and alerts are
+    tested with it). Refused unless SPUR_ALLOW_TEST_SETTINGS=1; keep it 0."""
 
 
 class EngineConfig(_Section):
@@ -539,6 +543,10 @@ class ServerConfig(_Section):
     the ingress and the proxy (BENCHMARKS.md). An embedded Ray sets
     RAY_SERVE_PROXY_USE_GRPC=1 for the proxy; on a joined cluster the second hop
     uses gRPC only where that variable is in the nodes' environment."""
+    metrics: bool = True
+    """Prometheus metrics at GET /metrics on the API port (vLLM's names plus spur's):
+    engines and ingress replicas push their counters to the KV index actor every
+    second. false: engines keep no statistics and /metrics answers 404."""
 
     @property
     def embedded_ray(self) -> bool:

@@ -251,7 +251,7 @@ class EngineMetrics:
         self.num_running = stats.num_running
         self.num_waiting = stats.num_waiting
         self.kv_usage = stats.kv_usage
-        if now - self._last_capacity >= self.capacity_period_s:
+        if now - self._last_capacity >= self.capacity_period_s or not scheduler.running:
             self._last_capacity = now
             self.capacity = capacity_view(scheduler.kv, scheduler.running)
             if len(self.peak_ratio) != len(self.capacity):
