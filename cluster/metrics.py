@@ -424,9 +424,11 @@ def _cluster_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[
         name: CounterMetricFamily(metric, h, labels=["lane"])
         for name, (metric, h) in INDEX_EVENTS.items()
     }
-    for e in routing.get("events", ()):
-        if e["name"] in events:
-            events[e["name"]].add_metric([e["lane"]], e["count"])
+    seen = {(e["lane"], e["name"]): e["count"] for e in routing.get("events", ())}
+    lanes = [lane["name"] for lane in config["lanes"]]
+    for name, family in events.items():  # every lane's series, zero until it happens
+        for lane in sorted({*lanes, *(k[0] for k in seen)}):
+            family.add_metric([lane], seen.get((lane, name), 0))
     yield from events.values()
     index = routing.get("index", {})
     lag = GaugeMetricFamily(
@@ -467,7 +469,12 @@ def _cluster_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[
         "Lane target switches by lane, from, to and reason.",
         labels=["lane", "from", "to", "reason"],
     )
-    for lane, src, dst, reason, n in store.get("http", {}).get("failovers", ()):
+    counted = {tuple(k): n for *k, n in store.get("http", {}).get("failovers", ())}
+    spare_cfg = config.get("spare") or {}
+    for lane in spare_cfg.get("serves_lanes", ()):  # zero until the first switch
+        counted.setdefault((lane, lane, spare_cfg["name"], "down"), 0)
+        counted.setdefault((lane, spare_cfg["name"], lane, "primary"), 0)
+    for (lane, src, dst, reason), n in sorted(counted.items()):
         failovers.add_metric([lane, src, dst, reason], n)
     yield failovers
     starts = CounterMetricFamily(
