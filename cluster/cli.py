@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="paired runs of both arms per level, alternating order; reports the median",
     )
+    serve_b.add_argument(
+        "--baseline-url",
+        default=None,
+        help="compare against this second server over HTTP instead of the offline engine",
+    )
     serve_b.add_argument("--json", action="store_true")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
@@ -421,6 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 requests_per_level=args.requests,
                 rounds=args.rounds,
+                baseline_url=args.baseline_url,
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
