@@ -170,6 +170,10 @@ CAPACITY = Dashboard(
                     "{{lane}} {{engine}} g{{group}} {{kind}}",
                 ),
                 (
+                    f"max by (lane, group) (spur:kv_request_held_over_geometry_max{SEL})",
+                    "worst request {{lane}} g{{group}}",
+                ),
+                (
                     f"max by (lane, group) (spur:kv_held_over_geometry_peak{SEL})",
                     "peak {{lane}} g{{group}}",
                 ),
@@ -340,11 +344,11 @@ ALERTS = (
     ),
     Alert(
         "SpurHeldOverGeometry",
-        "max by (lane, engine, group, kind) (spur:kv_held_over_geometry) > 1.2",
+        "max by (lane, engine, group, kind) (spur:kv_request_held_over_geometry_max) > 1.2",
         "2m",
         "critical",
-        "KV group {{ $labels.group }} of {{ $labels.engine }} holds {{ $value }}x the blocks "
-        "its geometry needs.",
+        "A request on {{ $labels.engine }} holds {{ $value }}x the blocks of KV group "
+        "{{ $labels.group }} its geometry needs.",
     ),
     Alert(
         "SpurRestartLoop",

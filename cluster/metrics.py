@@ -321,9 +321,15 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         "Blocks held / blocks by geometry (1 when correct; above 1: a leak).",
         labels=group_labels,
     )
+    worst = GaugeMetricFamily(
+        "spur:kv_request_held_over_geometry_max",
+        "The highest held/geometry of any one running request now (a leak shows here "
+        "within one request).",
+        labels=group_labels,
+    )
     peak = GaugeMetricFamily(
         "spur:kv_held_over_geometry_peak",
-        "Highest held/geometry ratio seen since the engine started.",
+        "Highest per-request held/geometry seen since the engine started.",
         labels=group_labels,
     )
     claimed = GaugeMetricFamily(
@@ -365,6 +371,7 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
             held.add_metric(gl, g["held"])
             geometry.add_metric(gl, g["geometry"])
             ratio.add_metric(gl, g["ratio"])
+            worst.add_metric(gl, g.get("worst_ratio", g["ratio"]))
             peak.add_metric(gl, g["peak_ratio"])
         info = snap.get("info", {})
         if "claimed_max_concurrency" in info:
@@ -387,7 +394,7 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     yield from gauges.values()
     yield success
     yield from hists.values()
-    yield from (held, geometry, ratio, peak, claimed, pool, healthy)
+    yield from (held, geometry, ratio, worst, peak, claimed, pool, healthy)
     if cache_info is not None:
         yield cache_info
 

@@ -135,6 +135,8 @@ class GroupCapacity:
     kind: str
     held: int
     geometry: int
+    worst: float = 1.0
+    """The highest held/geometry of any one running request (1 when none runs)."""
 
     @property
     def ratio(self) -> float:
@@ -147,6 +149,7 @@ def capacity_view(kv: Any, running: Iterable[Any]) -> list[GroupCapacity]:
     bs, chunk = kv.block_size, kv.max_chunk
     held = [0] * len(kv.managers)
     geometry = [0] * len(kv.managers)
+    worst = [1.0] * len(kv.managers)
     slots_of = kv._slots
     for req in running:
         rid = req.request_id
@@ -154,9 +157,16 @@ def capacity_view(kv: Any, running: Iterable[Any]) -> list[GroupCapacity]:
         if slots is None:
             continue
         for g, manager in enumerate(kv.managers):
-            held[g] += manager.num_held(rid)
-            geometry[g] += manager.spec.max_blocks(slots, bs, chunk)
-    return [GroupCapacity(g, m.spec.kind, held[g], geometry[g]) for g, m in enumerate(kv.managers)]
+            h = manager.num_held(rid)
+            bound = manager.spec.max_blocks(slots, bs, chunk)
+            held[g] += h
+            geometry[g] += bound
+            if bound and h / bound > worst[g]:
+                worst[g] = h / bound
+    return [
+        GroupCapacity(g, m.spec.kind, held[g], geometry[g], worst[g])
+        for g, m in enumerate(kv.managers)
+    ]
 
 
 class EngineMetrics:
@@ -257,7 +267,7 @@ class EngineMetrics:
             if len(self.peak_ratio) != len(self.capacity):
                 self.peak_ratio = [0.0] * len(self.capacity)
             for g in self.capacity:
-                self.peak_ratio[g.group_id] = max(self.peak_ratio[g.group_id], g.ratio)
+                self.peak_ratio[g.group_id] = max(self.peak_ratio[g.group_id], g.worst)
 
     def on_idle(self, stats: Any) -> None:
         """No step ran (nothing to do): refresh the gauges only."""
@@ -316,7 +326,8 @@ class EngineMetrics:
                     "held": g.held,
                     "geometry": g.geometry,
                     "ratio": g.ratio,
-                    "peak_ratio": self.peak_ratio[g.group_id] if self.peak_ratio else g.ratio,
+                    "worst_ratio": g.worst,
+                    "peak_ratio": self.peak_ratio[g.group_id] if self.peak_ratio else g.worst,
                 }
                 for g in self.capacity
             ],

@@ -116,6 +116,7 @@ def test_broken_retirement_shows_as_ratio_and_leak_counter() -> None:
     _, ratios = drive(core, sched, metrics, prompts(2, 8), max_tokens=24, check=False)
     sched.check_integrity()
     assert max(ratios) > 2.0
+    assert max(metrics.peak_ratio) >= max(ratios)  # the worst single request
     assert metrics.leak_violations == 2  # each request flagged once
     assert sched.kv.pool.num_free_blocks == 255  # everything came back
 

@@ -87,6 +87,28 @@ class Server:
     config: dict[str, Any]
     log_path: Path
     pid: int
+    ray_tmpdir: Path
+
+    def ray_call(self, code: str, timeout_s: float = 120.0) -> str:
+        """Run `code` in a Python process connected to the server's Ray cluster as
+        a driver (namespace "spur"); returns its stdout."""
+        port_file = next((self.ray_tmpdir / "ray" / "session_latest").glob("gcs_server_port_*"))
+        prelude = (
+            "import ray\n"
+            "from ray.util import get_node_ip_address\n"
+            f"ray.init(address=f'{{get_node_ip_address()}}:{port_file.read_text().strip()}', "
+            "namespace='spur', logging_level='ERROR')\n"
+        )
+        env = {**server_env(self.ray_tmpdir)}
+        res = subprocess.run(
+            [sys.executable, "-c", prelude + code],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+        return res.stdout
 
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=60) as resp:
@@ -114,7 +136,7 @@ def running_server(work: Path, config: dict[str, Any]) -> Iterator[Server]:
         )
     try:
         url = wait_ready(proc, log_path, START_TIMEOUT_S)
-        yield Server(url, config, log_path, proc.pid)
+        yield Server(url, config, log_path, proc.pid, ray_tmpdir)
     finally:
         problems = stop_server(proc, ray_tmpdir)
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
