@@ -269,13 +269,6 @@ class EngineMetrics:
             for g in self.capacity:
                 self.peak_ratio[g.group_id] = max(self.peak_ratio[g.group_id], g.worst)
 
-    def on_idle(self, stats: Any) -> None:
-        """No step ran (nothing to do): refresh the gauges only."""
-        self.num_running = stats.num_running
-        self.num_waiting = stats.num_waiting
-        self.kv_usage = stats.kv_usage
-        self.capacity = [GroupCapacity(g.group_id, g.kind, 0, 0) for g in self.capacity]
-
     def finish(self, req_id: str, reason: str) -> None:
         """A request finished outside the core's outputs (a stop string matched by
         the detokenizer): count it now."""
@@ -382,7 +375,7 @@ def break_retirement(kv: Any, blocks_per_step: int) -> None:
     def leaky(request: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(request, *args, **kwargs)
         table = manager.tables.get(request.request_id)
-        if out is None or table is None or pool.num_free_blocks <= blocks_per_step + 8:
+        if out is None or table is None or pool.num_free_blocks <= blocks_per_step + 2:
             return out
         extra = pool.get_new_blocks(blocks_per_step)
         table.extend(extra)

@@ -172,7 +172,7 @@ def _storm(server: Server, n: int, max_tokens: int) -> list[int]:
     def one(i: int) -> int:
         body = {
             "model": "leaky",
-            "prompt": f"storm {i} " + "word " * 40,
+            "prompt": f"storm {i} " + "word " * 60,
             "max_tokens": max_tokens,
             "ignore_eos": True,
         }
@@ -186,20 +186,20 @@ def _storm(server: Server, n: int, max_tokens: int) -> list[int]:
 def test_preemption_storm_and_the_leak(obs_server: Server, prom: Prometheus) -> None:
     """The leaky lane: its broken retirement keeps one extra block per step, so
     held/geometry climbs far above 1 within one request and the leak detector
-    counts each request; 8 long requests on its 80-block pool preempt and wait
+    counts each request; 12 long requests on its 80-block pool preempt and wait
     while the pool is full."""
     leaky = '{lane="leaky"}'
     before = prom.value(f"sum(vllm:num_preemptions_total{leaky})") or 0.0
     seen: dict[str, bool] = {}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        storm = pool.submit(_storm, obs_server, 8, 100)
+        storm = pool.submit(_storm, obs_server, 12, 80)
         while not storm.done():
             for name in ("SpurKVFullWhileWaiting", "SpurHeldOverGeometry"):
                 if not seen.get(name):
                     seen[name] = bool(prom.query(alert(name)))
             time.sleep(0.5)
         statuses = storm.result()
-    assert statuses == [200] * 8
+    assert statuses == [200] * 12
     prom.wait(
         "num_preemptions rose",
         lambda: (prom.value(f"sum(vllm:num_preemptions_total{leaky})") or 0) > before,
