@@ -13,7 +13,8 @@ engine's heartbeat. The store keeps the latest snapshot per source, so a lost
 or repeated push changes nothing, and every ingress (or the Service in front of
 them) answers the same complete view: no series is counted twice, none goes
 backwards. Ingress replicas that went away keep their last totals (summed into
-the HTTP counters forever); engine replicas that went away keep their series
+the HTTP counters forever; lane switches, which every ingress replica observes,
+are the most any one of them counted); engine replicas that went away keep their series
 for `retain_s` (Prometheus sees a new `engine` label for their successor).
 
 Names: vLLM's exactly (`vllm:*`, with `model_name`, `engine` and spur's `lane`
@@ -237,7 +238,9 @@ class MetricsStore:
             for *k, n in c.get("errors", ()):
                 errors[tuple(k)] += n
             for *k, n in c.get("failovers", ()):
-                failovers[tuple(k)] += n
+                # Every ingress replica's selector sees the same switches: the
+                # most any one counted is the count (a sum would double it).
+                failovers[tuple(k)] = max(failovers[tuple(k)], n)
         return {
             "engines": {
                 rid: {**e, "age_s": round(now - e["at"], 3)} for rid, e in self.engines.items()
@@ -459,10 +462,12 @@ def _cluster_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[
         "1 while a lane's traffic goes to its spare.",
         labels=["lane", "spare"],
     )
+    spare_cfg = config.get("spare") or {}
     for lane in config["lanes"]:
         name = lane["name"]
         state = store.get("lanes", {}).get(name, {})
-        spare = state.get("spare") or ""
+        configured = spare_cfg.get("name", "") if name in spare_cfg.get("serves_lanes", ()) else ""
+        spare = state.get("spare", configured) or ""
         spare_now = bool(state.get("on_spare"))
         reason = str(state.get("reason", "primary"))
         target.add_metric([name, "primary", name, reason], 0 if spare_now else 1)
@@ -477,7 +482,6 @@ def _cluster_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[
         labels=["lane", "from", "to", "reason"],
     )
     counted = {tuple(k): n for *k, n in store.get("http", {}).get("failovers", ())}
-    spare_cfg = config.get("spare") or {}
     for lane in spare_cfg.get("serves_lanes", ()):  # zero until the first switch
         counted.setdefault((lane, lane, spare_cfg["name"], "down"), 0)
         counted.setdefault((lane, spare_cfg["name"], lane, "primary"), 0)
