@@ -94,6 +94,20 @@ def begin_drain(cfg: SpurConfig, reason: str, settle_s: float = 1.0) -> None:
         logger.warning("could not flag the drain: %s", exc)
 
 
+def _log_drains() -> None:
+    """Log every engine's drain report (finished, aborted, pool integrity)."""
+    import ray
+
+    from spur.cluster.routing.index_actor import INDEX_NAME, INDEX_NAMESPACE
+
+    try:
+        index = ray.get_actor(INDEX_NAME, namespace=INDEX_NAMESPACE)
+        for report in ray.get(index.drained.remote(), timeout=10):
+            logger.warning("spur drain: %s", report)
+    except Exception as exc:
+        logger.warning("no drain reports: %s", exc)
+
+
 def stop(cfg: SpurConfig) -> None:
     """Graceful: Serve drains replicas (in-flight requests finish or are aborted
     within graceful_shutdown_timeout_s), then an embedded Ray is shut down."""
@@ -104,6 +118,7 @@ def stop(cfg: SpurConfig) -> None:
 
     try:
         serve.delete(APP_NAME)
+        _log_drains()
         serve.shutdown()
         kill_index()
     finally:

@@ -191,6 +191,9 @@ class EngineReplica:
             await asyncio.sleep(0.05)
         self.drain_report = report
         logger.warning("spur drain: %s", report)
+        if self.index is not None:
+            with contextlib.suppress(Exception):
+                await self.index.record_drain.remote({**report, "lane": self.lane})
         return report
 
     async def _publish_loop(self) -> None:

@@ -40,6 +40,7 @@ class KVIndexActor:
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
         self.draining: str | None = None
+        self.drain_reports: list[dict[str, Any]] = []
         self.spare_loads: dict[str, tuple[float, dict[str, int]]] = {}
 
     # -- engines ----------------------------------------------------------------------------
@@ -93,6 +94,14 @@ class KVIndexActor:
         """The deployment is shutting down (`spur serve` got SIGTERM / Ctrl-C): every
         ingress answers /health with 503 and refuses new requests. None: clear."""
         self.draining = reason
+
+    def record_drain(self, report: dict[str, Any]) -> None:
+        """A replica finished its drain (EngineReplica.drain's report)."""
+        self.drain_reports = [*self.drain_reports[-999:], dict(report)]
+
+    def drained(self) -> list[dict[str, Any]]:
+        """The drain reports so far (`spur serve` logs them before it exits)."""
+        return list(self.drain_reports)
 
     def report_spare_load(self, ingress_id: str, loads: dict[str, int]) -> str | None:
         """An ingress's requests in flight on the spare, per lane they belong to (the
