@@ -334,6 +334,7 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
     """
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
+    rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
     files = _checkpoint_files(path)
 
     materialised: dict[str, nn.Parameter] = {}
@@ -359,7 +360,7 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
                 bar.update(1)
                 if skip(ckpt_name):
                     continue
-                param_name, shard_id = _target_of(ckpt_name, mapping)
+                param_name, shard_id = _target_of(rename(ckpt_name), mapping)
                 param = materialised.get(param_name)
                 if param is None:
                     unexpected.append(ckpt_name)
