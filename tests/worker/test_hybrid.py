@@ -146,9 +146,7 @@ def test_state_prefix_hit_equals_cold_run(hybrid_dir):
         assert out.num_cached_tokens == 144  # 9 blocks: the last boundary inside the prefix
         assert out.outputs[0].token_ids == cold["tokens"][0]
         # cache_salt separates tenants for state blocks too
-        salted = llm.scheduler.make_request(
-            "salted", b, GREEDY, cache_salt="tenant-b"
-        ).block_hashes
+        salted = llm.scheduler.make_request("salted", b, GREEDY, cache_salt="tenant-b").block_hashes
         assert salted[:9] != llm.scheduler.make_request("plain", b, GREEDY).block_hashes[:9]
     finally:
         llm.shutdown()
