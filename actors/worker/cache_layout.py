@@ -21,7 +21,7 @@ groups are in `build_groups` order (attention kinds first): the worker and the
 engine compute the same groups from the same geometry.
 
 `HybridMetadata` carries one metadata object per group (attention: an
-`AttentionMetadata` on that group's block tables; state: a `StateMetadata`) and
+`AttentionMetadata` on that group's block tables; state: a `GDNMetadata`) and
 gives each layer its group's.
 """
 
@@ -36,8 +36,8 @@ import torch
 
 from spur.actors.engine.capacity import LayerKind, ModelGeometry, build_groups
 from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup, StateSpec
-from spur.actors.worker.layers.gdn import StateMetadata
 from spur.kernels import AttentionMetadata
+from spur.kernels.gdn_reference import GDNMetadata
 
 
 def is_hybrid(model: torch.nn.Module) -> bool:
@@ -49,10 +49,10 @@ def is_hybrid(model: torch.nn.Module) -> bool:
 class HybridMetadata:
     """Per-group metadata of one step; `for_layer(i)` is what layer i reads."""
 
-    groups: list[AttentionMetadata | StateMetadata]
+    groups: list[AttentionMetadata | GDNMetadata]
     layer_group: list[int]
 
-    def for_layer(self, i: int) -> AttentionMetadata | StateMetadata:
+    def for_layer(self, i: int) -> AttentionMetadata | GDNMetadata:
         return self.groups[self.layer_group[i]]
 
 
@@ -192,34 +192,40 @@ class CacheLayout:
         scheduled: list[int],
         query_start_loc_cpu: torch.Tensor,
         device: torch.device,
-    ) -> tuple[StateMetadata, list[tuple[int, int]]]:
-        """One state group's metadata and the (src, dst) state copies it needs.
+    ) -> GDNMetadata:
+        """One state group's metadata for a step.
 
         A step computing tokens [c, c + n) of a request reads the state after c
-        tokens from position ceil(c / bs) - 1 of the group's table and leaves
-        the state after c + n tokens at position ceil((c + n) / bs) - 1. When
-        the two differ the state is first copied into the written block, which
-        the kernels then update in place.
+        tokens from position ceil(c / bs) - 1 of the group's table (src) and
+        leaves the state after c + n tokens at position ceil((c + n) / bs) - 1
+        (dst). They differ when the request crosses a block: the old block keeps
+        its state (cacheable once full), the kernels write the new one. dst
+        blocks are the request's own (fresh or partly filled, never cached), so
+        no request writes a block another one reads.
         """
         bs = self.block_size
-        slots, init, copies = [], [], []
+        src, dst, init = [], [], []
         for table, c, n in zip(tables, computed, scheduled, strict=True):
-            dst = table[-(-(c + n) // bs) - 1]
-            if c > 0:
-                src = table[-(-c // bs) - 1]
-                if src != dst:
-                    copies.append((src, dst))
-            slots.append(dst)
+            d = table[-(-(c + n) // bs) - 1]
+            dst.append(d)
+            src.append(table[-(-c // bs) - 1] if c > 0 else d)
             init.append(c > 0)
-        slots_cpu = torch.tensor(slots, dtype=torch.int64)
-        meta = StateMetadata(
-            num_reqs=len(slots),
+        src_cpu = torch.tensor(src, dtype=torch.int64)
+        dst_cpu = torch.tensor(dst, dtype=torch.int64)
+        init_cpu = torch.tensor(init, dtype=torch.bool)
+        return GDNMetadata(
+            num_seqs=len(dst),
+            num_actual_tokens=int(query_start_loc_cpu[-1]),
+            max_query_len=max(scheduled, default=0),
+            query_start_loc=query_start_loc_cpu.to(device),
+            src_slots=src_cpu.to(device),
+            dst_slots=dst_cpu.to(device),
+            has_initial_state=init_cpu.to(device),
             query_start_loc_cpu=query_start_loc_cpu,
-            slots=slots_cpu.to(device),
-            slots_cpu=slots_cpu,
-            has_initial_state_cpu=torch.tensor(init, dtype=torch.bool),
+            src_slots_cpu=src_cpu,
+            dst_slots_cpu=dst_cpu,
+            has_initial_state_cpu=init_cpu,
         )
-        return meta, copies
 
 
 def attention_metadata_for(

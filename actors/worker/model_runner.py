@@ -236,8 +236,8 @@ class ModelRunner:
     def _hybrid_metadata(
         self, out: SchedulerOutput, inputs: Any, base: AttentionMetadata
     ) -> HybridMetadata:
-        """Every group's metadata for this step; copies each request's state into
-        the block it writes when it moved to a new block (before the forward)."""
+        """Every group's metadata for this step (attention: block tables and slots
+        of that group; state: where each request's state is read and written)."""
         layout = self.layout
         assert layout is not None
         states = self.requests.states
@@ -245,15 +245,14 @@ class ModelRunner:
         computed = [r.num_computed_tokens for r in reqs]
         scheduled = [out.num_scheduled_tokens[rid] for rid in inputs.req_ids]
         groups: list[Any] = []
-        copies: list[tuple[int, int]] = []
         for g, group in enumerate(layout.groups):
             tables = [r.group_block_ids[g] if r.group_block_ids else r.block_ids for r in reqs]
             if group.spec.kind == "state":
-                meta, moved = layout.state_metadata(
-                    tables, computed, scheduled, base.query_start_loc_cpu, self.device
+                groups.append(
+                    layout.state_metadata(
+                        tables, computed, scheduled, base.query_start_loc_cpu, self.device
+                    )
                 )
-                groups.append(meta)
-                copies.extend(moved)
             elif g == 0:
                 groups.append(base)
             else:
@@ -262,7 +261,6 @@ class ModelRunner:
                         base, tables, inputs.positions, self.block_size, self.device
                     )
                 )
-        layout.copy_blocks([s for s, _ in copies], [d for _, d in copies])
         return HybridMetadata(groups, layout.layer_group)
 
     # -- profiling ----------------------------------------------------------------------

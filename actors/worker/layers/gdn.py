@@ -23,11 +23,12 @@ recurrent_state  [Hv, dk, dv]                    S, so that out_t = q_t^T S_t
 ```
 
 The runner hands each layer its pool views (`conv [num_blocks, K-1, C]`,
-`ssm [num_blocks, Hv, dk, dv]`) and a `StateMetadata` saying, per request, which
-block holds its state (read, then overwritten in place; the runner has already
-copied the previous block's state there when the request crossed a block) and
-whether there is a state to continue from (no: a fresh prompt or a recompute
-after preemption; start from zeros).
+`ssm [num_blocks, Hv, dk, dv]`) and its state group's `GDNMetadata`
+(kernels/gdn_reference.py): per request the block its state is read from (src)
+and the block the new state is written to (dst: the same block while the request
+stays inside it, a new block when it crosses one, so that the old one can stay
+cached), and whether there is a state to continue from (no: a fresh prompt or a
+recompute after preemption; start from zeros).
 
 `Hk`, `Hv` are per TP rank: key and value heads are split across ranks like
 attention heads (both must divide by the TP size).
@@ -51,24 +52,8 @@ from spur.actors.worker.layers.linear import (
 )
 from spur.actors.worker.layers.norm import GatedRMSNorm
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
-
-
-@dataclass
-class StateMetadata:
-    """Where each scheduled request's state lives this step (one state group).
-
-    Requests are in the step's order, as in `AttentionMetadata`.
-    """
-
-    num_reqs: int
-    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, CPU
-    slots: torch.Tensor  # [num_reqs] int64 on the model's device: block holding the state
-    slots_cpu: torch.Tensor  # [num_reqs] int64, CPU copy
-    has_initial_state_cpu: torch.Tensor  # [num_reqs] bool, CPU: continue from the slot's state
-
-    @property
-    def query_lens_cpu(self) -> torch.Tensor:
-        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+from spur.kernels import gdn_reference as gdn_ref
+from spur.kernels.gdn_reference import GDNMetadata
 
 
 @dataclass(frozen=True)
@@ -211,39 +196,42 @@ class GatedDeltaNet(nn.Module):
         self,
         hidden_states: torch.Tensor,
         state: tuple[torch.Tensor, torch.Tensor] | None,
-        meta: StateMetadata | None,
+        meta: GDNMetadata | None,
     ) -> torch.Tensor:
+        """`hidden_states [n, hidden]` -> `[n, hidden]`; `state` = this layer's
+        (conv, ssm) pool views, mutated as `meta` says. With `meta` None (a dummy
+        run) nothing is read or written and the mixer's output is zero."""
         s = self.shape
         n = hidden_states.shape[0]
         mixed, z, b, a = self._project(hidden_states)
-        beta = b.sigmoid()  # [n, Hv]
-        # In float32: A_log.exp() overflows nothing there, even for fp16 models.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv]
-        core = torch.zeros(
-            n, s.num_v_heads, s.head_v_dim, dtype=hidden_states.dtype, device=hidden_states.device
-        )
-        if meta is not None and state is not None:
+        if meta is None or state is None:
+            core = hidden_states.new_zeros(n, s.num_v_heads, s.head_v_dim)
+        else:
             conv_state, ssm_state = state
-            gated_delta_net_varlen(
-                mixed,
-                beta,
+            mixed = gdn_ref.causal_conv1d_varlen_ref(
+                mixed, self.conv1d.weight, None, conv_state, meta, "silu"
+            )  # [n, conv_dim]
+            q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            beta = b.sigmoid()  # [n, Hv]
+            # In float32: exp(A_log) must not overflow for fp16 models.
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv]
+            core = gdn_ref.gated_delta_rule_varlen_ref(
+                q.reshape(n, s.num_k_heads, s.head_k_dim),
+                k.reshape(n, s.num_k_heads, s.head_k_dim),
+                v.reshape(n, s.num_v_heads, s.head_v_dim),
                 g,
-                self.conv1d.weight,
-                conv_state,
+                beta,
                 ssm_state,
-                meta.query_start_loc_cpu,
-                meta.slots_cpu,
-                meta.has_initial_state_cpu,
-                key_dim=s.key_dim,
-                head_k_dim=s.head_k_dim,
-                head_v_dim=s.head_v_dim,
-                out=core,
-            )
+                meta,
+                use_qk_l2norm=True,
+            )  # [n, Hv, dv]
         out = self.norm(core, z).reshape(n, s.value_dim)
         return self.out_proj(out)  # [n, hidden]
 
 
 def _split_loader(tp: TPGroup) -> Any:
+    """weight_loader of a per-value-head vector (A_log, dt_bias): this rank's heads."""
+
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"parameter is not fused, got shard id {shard_id!r}")
@@ -252,153 +240,3 @@ def _split_loader(tp: TPGroup) -> Any:
         param.data.copy_(loaded.narrow(0, tp.rank * n, n))
 
     return load
-
-
-# -- the mixer's core over a flattened batch ------------------------------------------
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-
-def gated_delta_net_varlen(
-    mixed: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_pool: torch.Tensor,
-    ssm_pool: torch.Tensor,
-    query_start_loc_cpu: torch.Tensor,
-    slots_cpu: torch.Tensor,
-    has_initial_state_cpu: torch.Tensor,
-    *,
-    key_dim: int,
-    head_k_dim: int,
-    head_v_dim: int,
-    out: torch.Tensor,
-) -> None:
-    """Conv + gated delta rule of every request of a flattened batch, in place.
-
-    mixed [n, C] (pre-conv q | k | v), beta [n, Hv], g [n, Hv] fp32 (log decay),
-    conv_weight [C, K]; conv_pool [num_blocks, K-1, C], ssm_pool [num_blocks, Hv,
-    dk, dv] (mutated: each request's slot ends holding its state after its last
-    token); out [n, Hv, dv] (written). Single-token requests go through the
-    recurrent form together, longer ones one by one through the chunked form.
-    """
-    qsl = query_start_loc_cpu.tolist()
-    slots = slots_cpu.tolist()
-    init = has_initial_state_cpu.tolist()
-    decodes = [r for r in range(len(slots)) if qsl[r + 1] - qsl[r] == 1]
-    prefills = [r for r in range(len(slots)) if qsl[r + 1] - qsl[r] > 1]
-    dev = mixed.device
-    if decodes:
-        rows = torch.tensor([qsl[r] for r in decodes], device=dev)
-        idx = torch.tensor([slots[r] for r in decodes], device=dev)
-        keep = torch.tensor([init[r] for r in decodes], device=dev, dtype=torch.bool)
-        conv_state = conv_pool[idx].to(conv_weight.dtype) * keep[:, None, None]  # [D, K-1, C]
-        x = mixed[rows]  # [D, C]
-        window = torch.cat([conv_state, x[:, None, :].to(conv_weight.dtype)], dim=1)  # [D, K, C]
-        conv_pool[idx] = window[:, 1:].to(conv_pool.dtype)
-        y = F.silu((window * conv_weight.t()[None]).sum(dim=1)).to(mixed.dtype)  # [D, C]
-        s0 = ssm_pool[idx].float() * keep[:, None, None, None]
-        o, s1 = _recurrent_step(y, beta[rows], g[rows], s0, key_dim, head_k_dim, head_v_dim)
-        ssm_pool[idx] = s1.to(ssm_pool.dtype)
-        out[rows] = o.to(out.dtype)
-    for r in prefills:
-        lo, hi = qsl[r], qsl[r + 1]
-        slot = slots[r]
-        k1 = conv_weight.shape[1] - 1
-        x = mixed[lo:hi].to(conv_weight.dtype)  # [m, C]
-        if init[r]:
-            prev = conv_pool[slot].to(conv_weight.dtype)
-        else:
-            prev = torch.zeros(k1, x.shape[1], dtype=x.dtype, device=dev)
-        window = torch.cat([prev, x], dim=0)  # [K-1+m, C]
-        conv_pool[slot] = window[-k1:].to(conv_pool.dtype)
-        y = F.conv1d(window.t()[None], conv_weight[:, None, :], groups=x.shape[1])[0].t()
-        y = F.silu(y).to(mixed.dtype)  # [m, C]
-        s0 = ssm_pool[slot].float() if init[r] else None
-        o, s1 = _chunk_rule(y, beta[lo:hi], g[lo:hi], s0, key_dim, head_k_dim, head_v_dim)
-        ssm_pool[slot] = s1.to(ssm_pool.dtype)
-        out[lo:hi] = o.to(out.dtype)
-
-
-def _split_qkv(
-    y: torch.Tensor, key_dim: int, dk: int, dv: int, num_v_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[m, C] -> q, k [m, Hv, dk] (repeated over value heads, L2-normed, q scaled)
-    and v [m, Hv, dv], all fp32."""
-    m = y.shape[0]
-    q, k, v = y.float().split([key_dim, key_dim, y.shape[1] - 2 * key_dim], dim=-1)
-    q = q.reshape(m, -1, dk)
-    k = k.reshape(m, -1, dk)
-    rep = num_v_heads // q.shape[1]
-    if rep > 1:
-        q = q.repeat_interleave(rep, dim=1)
-        k = k.repeat_interleave(rep, dim=1)
-    q = _l2norm(q) * dk**-0.5
-    return q, _l2norm(k), v.reshape(m, num_v_heads, dv)
-
-
-def _recurrent_step(
-    y: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
-    state: torch.Tensor,
-    key_dim: int,
-    dk: int,
-    dv: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per request: y [D, C], beta/g [D, Hv], state [D, Hv, dk, dv] fp32."""
-    q, k, v = _split_qkv(y, key_dim, dk, dv, beta.shape[1])  # [D, Hv, *]
-    state = state * g.float().exp()[..., None, None]
-    kv_mem = (state * k[..., None]).sum(dim=-2)  # [D, Hv, dv]
-    delta = (v - kv_mem) * beta.float()[..., None]
-    state = state + k[..., None] * delta[..., None, :]
-    return (state * q[..., None]).sum(dim=-2), state
-
-
-def _chunk_rule(
-    y: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
-    state: torch.Tensor | None,
-    key_dim: int,
-    dk: int,
-    dv: int,
-    chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's m tokens, chunked form: y [m, C] -> out [m, Hv, dv], final state."""
-    num_v = beta.shape[1]
-    q, k, v = _split_qkv(y, key_dim, dk, dv, num_v)
-    m = y.shape[0]
-    # [Hv, m, d]
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-    b = beta.float().t()
-    decay = g.float().t()
-    pad = (chunk - m % chunk) % chunk
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    b, decay = F.pad(b, (0, pad)), F.pad(decay, (0, pad))
-    nc = (m + pad) // chunk
-    v_beta = v * b[..., None]
-    k_beta = k * b[..., None]
-    q, k, k_beta, v_beta = (t.reshape(num_v, nc, chunk, -1) for t in (q, k, k_beta, v_beta))
-    decay = decay.reshape(num_v, nc, chunk)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=y.device).triu(1)
-    cum = decay.cumsum(dim=-1)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pair
-    intra = (q @ k.transpose(-1, -2)) * pair
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
-    )
-    s = torch.zeros(num_v, dk, dv, dtype=torch.float32, device=y.device) if state is None else state
-    out = torch.zeros_like(new_v)
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    for i in range(nc):
-        vn = new_v[:, i] - k_cum[:, i] @ s
-        out[:, i] = q[:, i] @ s + intra[:, i] @ vn
-        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ vn
-    out = out.reshape(num_v, -1, dv)[:, :m].transpose(0, 1)  # [m, Hv, dv]
-    return out, s
