@@ -47,6 +47,7 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
         "attn_backend": engine.runtime.attn_backend,
         "seed": engine.runtime.seed,
         "num_threads": engine.runtime.num_threads,
+        "state_dtype": engine.cache.state_dtype,
     }
 
 
