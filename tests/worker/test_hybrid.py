@@ -150,3 +150,18 @@ def test_state_prefix_hit_equals_cold_run(hybrid_dir):
         assert salted[:9] != llm.scheduler.make_request("plain", b, GREEDY).block_hashes[:9]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_parallel_2_equals_1(runs, hybrid_dir, name):
+    """GDN key/value heads, attention heads, experts' widths split over 2 ranks."""
+    prompts = runs["prompts"][:4]
+    tp2 = _generate(
+        hybrid_dir(name),
+        prompts,
+        tensor_parallel_size=2,
+        num_threads=1,
+        **CONFIGS["chunked prefill"],
+    )
+    assert tp2["tokens"] == runs["results"][name, "one batch"]["tokens"][:4]
