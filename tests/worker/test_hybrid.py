@@ -165,3 +165,81 @@ def test_tensor_parallel_2_equals_1(runs, hybrid_dir, name):
         **CONFIGS["chunked prefill"],
     )
     assert tp2["tokens"] == runs["results"][name, "one batch"]["tokens"][:4]
+
+
+LIVE_LENGTHS = (4096, 16384, 40960)
+LIVE_CHUNK, LIVE_DECODE, LIVE_BLOCKS = 4096, 4, 2800
+
+
+@pytest.fixture(scope="module")
+def live_capacity(hybrid_dir) -> list[dict[str, Any]]:
+    """One request at each length through the real engine; the blocks it holds in
+    each group, sampled right after every step's scheduling (as the simulation
+    samples them), next to `spur capacity --simulate-prompt` on the same config."""
+    import contextlib
+    import io
+    import json
+
+    from spur.cluster.cli import main as spur_main
+
+    path = hybrid_dir("qwen3_5-test")
+    llm = LLM(
+        str(path),
+        num_kv_blocks=LIVE_BLOCKS,
+        block_size=16,
+        max_num_batched_tokens=LIVE_CHUNK,
+        max_model_len=LIVE_LENGTHS[-1] + LIVE_DECODE + 1,
+    )
+    rows = []
+    try:
+        sched, executor = llm.scheduler, llm.executor
+        rng = random.Random(3)
+        for length in LIVE_LENGTHS:
+            rid = f"live-{length}"
+            params = SamplingParams(max_tokens=LIVE_DECODE, temperature=0, ignore_eos=True)
+            sched.add_request(
+                sched.make_request(rid, [rng.randrange(256) for _ in range(length)], params)
+            )
+            peak = [0] * len(sched.kv.managers)
+            while sched.has_unfinished_requests():
+                out = sched.schedule()
+                peak = [max(p, h) for p, h in zip(peak, sched.kv.num_held(rid), strict=True)]
+                sched.update_from_output(out, executor.execute_model(out))
+            sched.check_integrity()
+            buf = io.StringIO()
+            argv = [
+                "capacity", "--model", str(path), "--block-size", "16",
+                "--num-blocks", str(LIVE_BLOCKS), "--kv-dtype", "float32",
+                "--max-model-len", str(LIVE_LENGTHS[-1] + LIVE_DECODE + 1),
+                "--max-num-batched-tokens", str(LIVE_CHUNK),
+                "--simulate-prompt", str(length), "--chunk", str(LIVE_CHUNK),
+                "--decode", str(LIVE_DECODE), "--json",
+            ]  # fmt: skip
+            with contextlib.redirect_stdout(buf):
+                assert spur_main(argv) == 0
+            report = json.loads(buf.getvalue())
+            rows.append(
+                {
+                    "tokens": length,
+                    "live_peak": peak,
+                    "simulated_peak": report["peak_blocks_held"],
+                    "geometry": report["geometry_blocks"],
+                    "leaks": sched.kv.leaks.num_violations,
+                }
+            )
+    finally:
+        llm.shutdown()
+    return rows
+
+
+@pytest.mark.slow
+def test_live_capacity_equals_geometry(live_capacity):
+    """A runner that kept states it should retire (or leaked attention blocks)
+    would hold more than the capacity formula's blocks per group."""
+    for row in live_capacity:
+        print("live capacity:", row)  # the table of the closing note (pytest -s)
+        geometry = [v for k, v in row["geometry"].items() if k != "total"]
+        simulated = [v for k, v in row["simulated_peak"].items() if k != "total"]
+        assert row["live_peak"] == geometry == simulated, row
+        assert geometry[1:] == [2, 2]  # two states per state group: read and written
+        assert row["leaks"] == 0
