@@ -52,7 +52,8 @@ def _conv_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    # int64: rows * stride_xt exceeds 2**31 for long steps over a fused projection.
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs_c < conv_dim
     mt = rows < num_actual_tokens
