@@ -161,7 +161,7 @@ def causal_conv1d_varlen_triton(
     weight: [conv_dim, K]; conv_state: [num_slots, K-1, conv_dim], mutated.
     Returns out [num_tokens, conv_dim] in x's dtype. `token_seq` ([num_tokens]
     int32, each real token's sequence index) may be passed to share it between
-    layers; it is computed on the device otherwise.
+    layers; it is computed on the device otherwise (once per step: metadata.memo).
     """
     check_conv_args(x, weight, bias, conv_state, activation)
     check_triton_device(x)
@@ -224,10 +224,18 @@ def causal_conv1d_varlen_triton(
 
 
 def gdn_token_seq(metadata: GDNMetadata, device: torch.device) -> torch.Tensor:
-    """[num_actual_tokens] int32: the sequence index of each real token (no host sync)."""
-    tokens = torch.arange(metadata.num_actual_tokens, device=device, dtype=torch.int32)
-    bounds = metadata.query_start_loc[1:].to(device)
-    return torch.searchsorted(bounds, tokens, right=True).to(torch.int32)
+    """[num_actual_tokens] int32: the sequence index of each real token (no host sync).
+
+    Computed once per step and device, kept in metadata.memo for the other layers.
+    """
+    key = ("gdn_token_seq", str(device))
+    found = metadata.memo.get(key)
+    if found is None:
+        tokens = torch.arange(metadata.num_actual_tokens, device=device, dtype=torch.int32)
+        bounds = metadata.query_start_loc[1:].to(device)
+        found = torch.searchsorted(bounds, tokens, right=True).to(torch.int32)
+        metadata.memo[key] = found
+    return found
 
 
 def signature(kernel: triton.JITFunction, types: dict[str, str], constexprs: dict) -> dict:

@@ -63,7 +63,8 @@ o_t = (scale * q_t) S
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,9 @@ class GDNMetadata:
     src_slots_cpu: torch.Tensor  # [num_seqs] int64 on CPU
     dst_slots_cpu: torch.Tensor  # [num_seqs] int64 on CPU
     has_initial_state_cpu: torch.Tensor  # [num_seqs] bool on CPU
+    # Per-step values a backend derives once and reuses in every layer (keyed by
+    # the backend; a step's metadata never changes, so they never go stale).
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -104,7 +108,7 @@ class GDNMetadata:
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
     def to(self, device: torch.device | str) -> GDNMetadata:
-        """A copy whose device tensors live on `device` (the `_cpu` ones stay)."""
+        """A copy whose device tensors live on `device` (the `_cpu` ones stay; no memo)."""
         return GDNMetadata(
             num_seqs=self.num_seqs,
             num_actual_tokens=self.num_actual_tokens,

@@ -216,6 +216,10 @@ def dispatch_through_package():
     got = causal_conv1d_varlen(x, weight, bias, pools[0], meta, backend="triton")
     want = causal_conv1d_varlen_ref(x, weight, bias, pools[1], meta)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The token -> sequence map is derived once per step, then reused by every layer.
+    (key,) = meta.memo
+    again = causal_conv1d_varlen(x, weight, bias, cstate.clone(), meta, backend="triton")
+    assert torch.equal(again, got) and list(meta.memo) == [key]
 
 
 @check
