@@ -174,6 +174,10 @@ from spur.kernels.gdn_reference import (  # noqa: E402
     gated_delta_rule_varlen_ref,
 )
 
+if _TRITON_ERROR is None:
+    from spur.kernels.gdn_conv_triton import causal_conv1d_varlen_triton
+    from spur.kernels.gdn_triton import gated_delta_rule_varlen_triton
+
 __all__ += [
     "GDNMetadata",
     "build_gdn_metadata",
@@ -199,8 +203,11 @@ def causal_conv1d_varlen(
     conv_dim], mutated. Returns out [num_tokens, conv_dim]. Full contract:
     gdn_reference.causal_conv1d_varlen_ref; `backend` as for paged_attention.
     """
-    _resolve(backend, x.device)
-    return causal_conv1d_varlen_ref(x, weight, bias, conv_state, metadata, activation, out=out)
+    if _resolve(backend, x.device) == "triton":
+        fn = causal_conv1d_varlen_triton
+    else:
+        fn = causal_conv1d_varlen_ref
+    return fn(x, weight, bias, conv_state, metadata, activation, out=out)
 
 
 def gated_delta_rule_varlen(
@@ -214,6 +221,7 @@ def gated_delta_rule_varlen(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
     out: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -223,8 +231,22 @@ def gated_delta_rule_varlen(
     v_head_dim]; g, beta: [num_tokens, num_v_heads]; ssm_state: [num_slots,
     num_v_heads, k_head_dim, v_head_dim], mutated. Returns out [num_tokens,
     num_v_heads, v_head_dim]. Full contract: gdn_reference.gated_delta_rule_varlen_ref.
+    chunk_size (16, 32 or 64 for triton) is the prefill chunk of the chunked form.
     """
-    _resolve(backend, q.device)
-    return gated_delta_rule_varlen_ref(
-        q, k, v, g, beta, ssm_state, metadata, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out
+    if _resolve(backend, q.device) == "triton":
+        fn = gated_delta_rule_varlen_triton
+    else:
+        fn = gated_delta_rule_varlen_ref
+    return fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_state,
+        metadata,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        out=out,
     )

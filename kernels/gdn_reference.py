@@ -63,7 +63,8 @@ o_t = (scale * q_t) S
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,9 @@ class GDNMetadata:
     src_slots_cpu: torch.Tensor  # [num_seqs] int64 on CPU
     dst_slots_cpu: torch.Tensor  # [num_seqs] int64 on CPU
     has_initial_state_cpu: torch.Tensor  # [num_seqs] bool on CPU
+    # Per-step values a backend derives once and reuses in every layer (keyed by
+    # the backend; a step's metadata never changes, so they never go stale).
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -104,7 +108,7 @@ class GDNMetadata:
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
     def to(self, device: torch.device | str) -> GDNMetadata:
-        """A copy whose device tensors live on `device` (the `_cpu` ones stay)."""
+        """A copy whose device tensors live on `device` (the `_cpu` ones stay; no memo)."""
         return GDNMetadata(
             num_seqs=self.num_seqs,
             num_actual_tokens=self.num_actual_tokens,
@@ -256,6 +260,70 @@ def check_gdn_args(
         )
 
 
+# --------------------------------------------------------------------------- varlen plumbing
+
+
+@dataclass
+class _Plan:
+    """Host-side view of one step: which sequences run, which are single-token decodes."""
+
+    qsl: list[int]  # query_start_loc as a list
+    live: list[int]  # sequences with tokens this step
+    live_t: torch.Tensor  # the same, int64 on CPU
+    decodes: list[int]  # positions in `live` of single-token sequences
+    decode_rows: slice | list[int]  # their token rows (a slice when consecutive)
+
+    @property
+    def all_decodes(self) -> bool:
+        return len(self.decodes) == len(self.live)
+
+
+def _plan(metadata: GDNMetadata) -> _Plan:
+    qsl = metadata.query_start_loc_cpu.tolist()
+    live = [i for i in range(metadata.num_seqs) if qsl[i + 1] > qsl[i]]
+    decodes = [j for j, i in enumerate(live) if qsl[i + 1] - qsl[i] == 1]
+    rows = [qsl[live[j]] for j in decodes]
+    consecutive = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
+    return _Plan(
+        qsl=qsl,
+        live=live,
+        live_t=torch.tensor(live, dtype=torch.int64),
+        decodes=decodes,
+        decode_rows=slice(rows[0], rows[0] + len(rows)) if consecutive else rows,
+    )
+
+
+def _gather_initial(pool: torch.Tensor, metadata: GDNMetadata, plan: _Plan) -> torch.Tensor:
+    """float32 initial states of the live sequences (zeros without one), a copy.
+
+    [num_live, *pool.shape[1:]]; copied before any final state is written, so
+    a sequence may write the slot it read (dst == src).
+    """
+    src = metadata.src_slots_cpu[plan.live_t].to(pool.device)
+    init = pool.index_select(0, src)
+    init = init if init.dtype == torch.float32 else init.float()
+    fresh = ~metadata.has_initial_state_cpu[plan.live_t]
+    if bool(fresh.any()):
+        init[fresh.to(pool.device)] = 0
+    return init
+
+
+def _scatter_final(pool: torch.Tensor, metadata: GDNMetadata, plan: _Plan, finals) -> None:
+    dst = metadata.dst_slots_cpu[plan.live_t].to(pool.device)
+    pool.index_copy_(0, dst, finals.to(pool.dtype))
+
+
+def _pick(t: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
+    return t[rows] if isinstance(rows, slice) else t[torch.tensor(rows, device=t.device)]
+
+
+def _put(out: torch.Tensor, rows: slice | list[int], values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = values
+    else:
+        out[torch.tensor(rows, device=out.device)] = values
+
+
 # --------------------------------------------------------------------------- conv1d
 
 
@@ -340,32 +408,23 @@ def causal_conv1d_varlen_ref(
     if out is None:
         out = torch.empty_like(x)
     out[metadata.num_actual_tokens :] = 0
-    qsl = metadata.query_start_loc_cpu.tolist()
-    lens = [qsl[i + 1] - qsl[i] for i in range(metadata.num_seqs)]
-    live = [i for i in range(metadata.num_seqs) if lens[i] > 0]
-    if not live:
+    plan = _plan(metadata)
+    if not plan.live:
         return out
-    dev = conv_state.device
-    live_t = torch.tensor(live, dtype=torch.int64)
-    # Gather every initial state before writing any final one (in-place safe).
-    init = conv_state.index_select(0, metadata.src_slots_cpu[live_t].to(dev)).float()
-    init = init * metadata.has_initial_state_cpu[live_t].to(dev, torch.float32)[:, None, None]
-    finals = torch.empty_like(init)
-    decodes = [j for j, i in enumerate(live) if lens[i] == 1]
-    if decodes:
-        rows = torch.tensor([qsl[live[j]] for j in decodes], device=x.device)
-        state = init[decodes]
-        out[rows] = causal_conv1d_update_ref(x[rows], state, weight, bias, activation)
-        finals[decodes] = state
-    for j, i in enumerate(live):
-        if lens[i] == 1:
+    init = _gather_initial(conv_state, metadata, plan)  # [num_live, K-1, C]
+    if plan.decodes:
+        state = init if plan.all_decodes else init[plan.decodes]
+        o = causal_conv1d_update_ref(_pick(x, plan.decode_rows), state, weight, bias, activation)
+        _put(out, plan.decode_rows, o)
+        if not plan.all_decodes:
+            init[plan.decodes] = state
+    qsl = plan.qsl
+    for j, i in enumerate(plan.live):
+        if qsl[i + 1] - qsl[i] == 1:
             continue
-        seq_out, finals[j] = causal_conv1d_ref(
-            x[qsl[i] : qsl[i + 1]], weight, bias, init[j], activation
-        )
-        out[qsl[i] : qsl[i + 1]] = seq_out
-    dst = metadata.dst_slots_cpu[live_t].to(dev)
-    conv_state.index_copy_(0, dst, finals.to(conv_state.dtype))
+        rows = slice(qsl[i], qsl[i + 1])
+        out[rows], init[j] = causal_conv1d_ref(x[rows], weight, bias, init[j], activation)
+    _scatter_final(conv_state, metadata, plan, init)
     return out
 
 
@@ -412,13 +471,18 @@ def gated_delta_rule_step_ref(
     v_head_dim] (not mutated). Returns (out [batch, num_v_heads, v_head_dim] in
     q's dtype, new_state float32 [batch, num_v_heads, k_head_dim, v_head_dim]).
     """
-    qf, kf = _prepare_qk(q, k, v.shape[1], scale, use_qk_l2norm)
-    s = state.float() * g.float().exp()[..., None, None]
-    kv_mem = (s * kf.unsqueeze(-1)).sum(-2)  # [B, Hv, dv]
-    delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
-    s = s + kf.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * qf.unsqueeze(-1)).sum(-2)
-    return out.to(q.dtype), s
+    batch, num_v_heads, v_head_dim = v.shape
+    k_head_dim = q.shape[-1]
+    bh = batch * num_v_heads
+    qf, kf = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
+    # Batched matmuls over (batch x head): a few passes over the state instead of
+    # broadcast-and-sum temporaries (the decode path is state-bandwidth bound).
+    s = (state.float() * g.float().exp()[..., None, None]).reshape(bh, k_head_dim, v_head_dim)
+    kv_mem = torch.bmm(kf.reshape(bh, 1, k_head_dim), s).view(batch, num_v_heads, v_head_dim)
+    delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)  # [B, Hv, dv]
+    s = s.baddbmm_(kf.reshape(bh, k_head_dim, 1), delta.reshape(bh, 1, v_head_dim))
+    out = torch.bmm(qf.reshape(bh, 1, k_head_dim), s).view(batch, num_v_heads, v_head_dim)
+    return out.to(q.dtype), s.view(batch, num_v_heads, k_head_dim, v_head_dim)
 
 
 def recurrent_gated_delta_rule_ref(
@@ -515,12 +579,10 @@ def chunk_gated_delta_rule_ref(
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     k_beta = kf * bf.unsqueeze(-1)
     system = (k_beta @ kf.transpose(-1, -2)) * decay  # the diagonal is ignored (unitriangular)
-    u = torch.linalg.solve_triangular(
-        system, vf * bf.unsqueeze(-1), upper=False, unitriangular=True
-    )
-    w = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
-    )
+    # One solve for both right-hand sides: U = T^-1 (beta v), W = T^-1 (beta k exp(G)).
+    rhs = torch.cat([vf * bf.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :v_head_dim], uw[..., v_head_dim:]
     attn = (qf @ kf.transpose(-1, -2)) * decay
     q_decayed = qf * cum.exp().unsqueeze(-1)
     k_decayed = kf * (cum[..., -1:] - cum).exp().unsqueeze(-1)
@@ -565,30 +627,29 @@ def gated_delta_rule_varlen_ref(
     if out is None:
         out = q.new_empty((q.shape[0], num_v_heads, v_head_dim))
     out[metadata.num_actual_tokens :] = 0
-    qsl = metadata.query_start_loc_cpu.tolist()
-    lens = [qsl[i + 1] - qsl[i] for i in range(metadata.num_seqs)]
-    live = [i for i in range(metadata.num_seqs) if lens[i] > 0]
-    if not live:
+    plan = _plan(metadata)
+    if not plan.live:
         return out
-    dev = ssm_state.device
-    live_t = torch.tensor(live, dtype=torch.int64)
-    init = ssm_state.index_select(0, metadata.src_slots_cpu[live_t].to(dev)).float()
-    init = init * metadata.has_initial_state_cpu[live_t].to(dev, torch.float32)[:, None, None, None]
-    finals = torch.empty_like(init)
+    init = _gather_initial(ssm_state, metadata, plan)  # [num_live, Hv, dk, dv] float32
     kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
-    decodes = [j for j, i in enumerate(live) if lens[i] == 1]
-    if decodes:
-        rows = torch.tensor([qsl[live[j]] for j in decodes], device=q.device)
-        o, finals[decodes] = gated_delta_rule_step_ref(
-            q[rows], k[rows], v[rows], g[rows], beta[rows], init[decodes], **kw
-        )
-        out[rows] = o
-    for j, i in enumerate(live):
-        if lens[i] == 1:
+    finals = init
+    if plan.decodes:
+        rows = plan.decode_rows
+        state = init if plan.all_decodes else init[plan.decodes]
+        picked = (_pick(t, rows) for t in (q, k, v, g, beta))
+        o, new = gated_delta_rule_step_ref(*picked, state, **kw)
+        _put(out, rows, o)
+        if plan.all_decodes:
+            finals = new
+        else:
+            init[plan.decodes] = new
+    qsl = plan.qsl
+    for j, i in enumerate(plan.live):
+        if qsl[i + 1] - qsl[i] == 1:
             continue
         s = slice(qsl[i], qsl[i + 1])
-        out[s], finals[j] = chunk_gated_delta_rule_ref(
+        out[s], init[j] = chunk_gated_delta_rule_ref(
             q[s], k[s], v[s], g[s], beta[s], init[j], chunk_size=chunk_size, **kw
         )
-    ssm_state.index_copy_(0, metadata.dst_slots_cpu[live_t].to(dev), finals.to(ssm_state.dtype))
+    _scatter_final(ssm_state, metadata, plan, finals)
     return out
