@@ -65,6 +65,7 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
             if engine.runtime.test_leak_blocks_per_step
             else {}
         ),
+        "state_dtype": engine.cache.state_dtype,
     }
 
 

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--kv-bytes", type=_positive, help="pool size in bytes (default 4 GiB)")
     cap.add_argument("--kv-dtype", default="bfloat16", help="float32 | bfloat16 | float16 | fp8")
     cap.add_argument(
-        "--state-dtype", default=None, help="dtype of state layers (default: kv dtype)"
+        "--state-dtype",
+        default=_default_state_dtype(),
+        help="dtype of state layers (default: the engine's, cache.state_dtype)",
     )
     cap.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
     cap.add_argument(
@@ -382,6 +384,13 @@ def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None
     if words and words[0] in COMMANDS and len(words) > 1 and words[1] == words[0]:
         usage = parser.format_usage().strip().removeprefix("usage: ")
         raise UsageError(f"'{words[0]}' given twice; usage: {usage}")
+
+
+def _default_state_dtype() -> str:
+    """cache.state_dtype's default: `spur capacity` sizes states as the engine stores them."""
+    from spur.configs.schema import CacheConfig
+
+    return str(CacheConfig.model_fields["state_dtype"].default)
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:

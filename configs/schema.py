@@ -231,6 +231,10 @@ class CacheConfig(_Section):
     """Seed of the chained block hashes. Every engine and the router must use the same
     one, or prefix routing finds no matches; change it to invalidate every cached
     prefix (for example after changing the chat template)."""
+    state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of the recurrent states of hybrid models (Gated DeltaNet conv and
+    delta-rule states, kept in the same pool as attention pages). float32 as in
+    transformers' cache; `spur capacity --state-dtype` defaults to it too."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> CacheConfig:
