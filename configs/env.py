@@ -51,6 +51,22 @@ def c_compiler() -> str | None:
     return os.environ.get("CC") or None
 
 
+def test_settings_allowed() -> bool:
+    """`SPUR_ALLOW_TEST_SETTINGS=1`: config fields documented as TESTS ONLY (a
+    deliberately broken engine) are accepted; otherwise `build_app` refuses them."""
+    return os.environ.get("SPUR_ALLOW_TEST_SETTINGS", "") == "1"
+
+
+def admin_key() -> str | None:
+    """`SPUR_ADMIN_KEY`: the admin API key `spur top` sends (--admin-key wins)."""
+    return os.environ.get("SPUR_ADMIN_KEY") or None
+
+
+def grafana_token() -> str | None:
+    """`SPUR_GRAFANA_TOKEN`: the Grafana token `spur dashboards push` uses (--token wins)."""
+    return os.environ.get("SPUR_GRAFANA_TOKEN") or None
+
+
 def api_keys_text(var: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The server's API keys file text from the variable named by
     `server.auth.keys_env` (default `SPUR_API_KEYS`, which the Helm chart exports
