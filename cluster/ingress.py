@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -69,18 +68,25 @@ _SERVED: list[str] = []  # this process's served model names (set by the Ingress
 
 def _openapi() -> dict[str, Any]:
     """FastAPI's document plus the request models (the routes read raw bodies, so
-    FastAPI cannot see them), with `model` narrowed to the served names."""
+    FastAPI cannot see them), with `model` narrowed to the served names. Built
+    per set of served names, not cached on the app: Serve serves a copy of the
+    app, taken before the Ingress knows its lanes."""
+    import importlib
+
     from fastapi.openapi.utils import get_openapi
 
-    if app.openapi_schema is None:
+    here = importlib.import_module(__name__)  # this process's module state
+    served = tuple(here._SERVED)
+    doc = here._OPENAPI.get(served)
+    if doc is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(
-            P.request_schemas(_SERVED)
-        )
-        app.openapi_schema = doc
-    return app.openapi_schema
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(P.request_schemas(served))
+        here._OPENAPI.clear()
+        here._OPENAPI[served] = doc
+    return doc
 
 
+_OPENAPI: dict[tuple[str, ...], dict[str, Any]] = {}
 app.openapi = _openapi  # type: ignore[method-assign]
 app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/metrics.py)
 
@@ -822,7 +828,10 @@ class Ingress:
             out[name] = entry
         return JSONResponse(out)
 
-    @app.post("/admin/reset_prefix_cache")
+    @app.post(
+        "/admin/reset_prefix_cache",
+        openapi_extra=P.openapi_request_body("/admin/reset_prefix_cache", required=False),
+    )
     async def admin_reset_prefix_cache(self, request: Request) -> Response:
         """Make engines forget their cached prefixes: body {"lane": name} for one lane,
         {"replica_id": id} for one replica, {} for all. Answers the replica ids; each
@@ -830,16 +839,8 @@ class Ingress:
 
         async def work() -> Response:
             body = await self._body(request)
-            try:
-                req = json.loads(body) if body.strip() else {}
-            except ValueError as exc:
-                raise ProtocolError(400, f"body is not JSON: {exc}", code="invalid_json") from None
-            if not isinstance(req, dict):
-                raise ProtocolError(400, "body must be a JSON object", param="body")
-            lane, replica = req.get("lane"), req.get("replica_id")
-            for field, value in (("lane", lane), ("replica_id", replica)):
-                if value is not None and not isinstance(value, str):
-                    raise ProtocolError(400, f"{field} must be a string", param=field)
+            req = P.parse_request(P.ResetPrefixCacheRequest, body if body.strip() else {})
+            lane, replica = req.lane, req.replica_id
             if lane is not None and lane not in self.lanes:
                 raise ProtocolError(
                     404, f"unknown lane {lane!r}; lanes: {sorted(self.lanes)}", param="lane"
