@@ -1,10 +1,10 @@
 """One live `spur serve` and one real Prometheus scraping it every second, shared
 by the module that needs them (module-scoped: CI pays one start-up).
 
-    obs_server   lanes  chat    the tiny model, one primary, spare "spare"
+    obs_server   lanes  chat    the tiny model, one primary with a small pool (96
+                                blocks: preemption storms), spare "spare"
                         leaky   the tiny model with the tests-only broken retirement
-                                (engine.runtime.test_leak_blocks_per_step) and a
-                                small pool (preemption storms), no spare
+                                (engine.runtime.test_leak_blocks_per_step), no spare
                  spare  spare   the tiny model, serves chat
     prom         Prometheus (Debian's `prometheus`; .ci/run installs it) scraping
                  /metrics every second, with spur's alert rules loaded
@@ -62,7 +62,11 @@ def obs_config(model_dir: Path, port: int, *, metrics: bool = True) -> dict[str,
     return {
         "version": 1,
         "lanes": [
-            {"name": "chat", "served_model_names": ["chat"], "engine": _engine(model_dir)},
+            {
+                "name": "chat",
+                "served_model_names": ["chat"],
+                "engine": _engine(model_dir, num_kv_blocks=96),
+            },
             {
                 "name": "leaky",
                 "served_model_names": ["leaky"],
