@@ -180,6 +180,18 @@ class Prometheus:
         assert out["status"] == "success", out
         return list(out["data"]["result"])
 
+    def held_between(self, expr: str, start: float, end: float) -> bool:
+        """True when `expr` returned a series at some evaluation between the unix
+        times `start` and `end` (a range query, a step per half second)."""
+        try:
+            out = self.api(
+                "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="0.5"
+            )
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{expr}: {exc.read().decode()[:500]}") from None
+        assert out["status"] == "success", out
+        return bool(out["data"]["result"])
+
     def value(self, expr: str) -> float | None:
         result = self.query(expr)
         return float(result[0]["value"][1]) if result else None
