@@ -233,6 +233,8 @@ def test_metadata_rejects_racing_slots():
     # A sequence without initial state reads nothing: its src slot may be someone's dst.
     meta = build_gdn_metadata([3, 1], [0, 1], [True, False], [1, 2])
     assert meta.query_start_loc_cpu.tolist() == [0, 3, 4] and meta.max_query_len == 3
+    # Two requests continuing from one cached state (a shared prefix) read the same slot.
+    build_gdn_metadata([2, 2], [5, 5], [True, True], [1, 2])
 
 
 def test_varlen_shape_errors_name_the_fix():
