@@ -150,7 +150,8 @@ def gdn_long_prefill_only_and_decode_only_steps():
     state = torch.randn((4, 2, 16, 16), generator=gen)
     meta = build_gdn_metadata([40], [2], [True], [3])
     _compare_gdn((q, k, v, g, beta), state, atol=3e-5, meta=meta)
-    meta = build_gdn_metadata([1, 1, 1], [0, 1, 2], [True, True, False])
+    # Two decodes continue from one shared state (slot 0) into their own blocks.
+    meta = build_gdn_metadata([1, 1, 1], [0, 0, 2], [True, True, False], [1, 3, 2])
     _compare_gdn((q[:3], k[:3], v[:3], g[:3], beta[:3]), state, atol=2e-5, meta=meta)
 
 
