@@ -231,6 +231,10 @@ class CacheConfig(_Section):
     """Seed of the chained block hashes. Every engine and the router must use the same
     one, or prefix routing finds no matches; change it to invalidate every cached
     prefix (for example after changing the chat template)."""
+    state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of the recurrent states of hybrid models (Gated DeltaNet conv and
+    delta-rule states, kept in the same pool as attention pages). float32 as in
+    transformers' cache; `spur capacity --state-dtype` defaults to it too."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> CacheConfig:
@@ -371,6 +375,26 @@ class AutoscalingConfig(_Section):
     """Replicas the lane never goes below (at least 1: a lane always serves)."""
     max_replicas: int = Field(ge=1, le=1024)
     """Replicas the lane never goes above; each needs its own node."""
+    upscale_delay_s: float = Field(10.0, ge=0, le=3600)
+    """Seconds the policy must keep asking for more replicas before Serve adds them
+    (avoids flapping on a burst). A new replica then needs one engine start."""
+    downscale_delay_s: float = Field(60.0, ge=0, le=86_400)
+    """Seconds the policy must keep asking for fewer replicas before Serve removes one
+    (it drains within drain_timeout_s; its node goes when the node is idle)."""
+    look_back_period_s: float = Field(12.0, gt=0.5, le=3600)
+    """Window over which Serve averages each replica's reported stats before the
+    policy sees them (Serve wants it above its 10 s metrics interval)."""
+    target_ongoing_requests: float = Field(16.0, gt=0, le=100_000)
+    """Running plus waiting requests per replica the lane aims for, counting the
+    lane's requests on its spare as its own demand. Around scheduler.max_num_seqs."""
+    waiting_per_replica_high: float = Field(2.0, ge=0, le=100_000)
+    """Mean waiting (queued, unscheduled) requests per replica above which the lane
+    asks for one more replica, whatever target_ongoing_requests says."""
+    kv_usage_high: float = Field(0.9, gt=0, le=1)
+    """Mean KV-pool usage above which the lane asks for one more replica (KV pressure
+    means preemptions soon)."""
+    kv_usage_low: float = Field(0.5, ge=0, le=1)
+    """The lane only scales down while mean KV usage is below this and nothing waits."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:
@@ -378,6 +402,11 @@ class AutoscalingConfig(_Section):
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) is below min_replicas "
                 f"({self.min_replicas}): raise max_replicas or lower min_replicas"
+            )
+        if self.kv_usage_low >= self.kv_usage_high:
+            raise ValueError(
+                f"kv_usage_low ({self.kv_usage_low}) must be below kv_usage_high "
+                f"({self.kv_usage_high}): lower kv_usage_low"
             )
         return self
 
@@ -457,7 +486,7 @@ class SpareConfig(_Section):
     """Requests the spare accepts at once (running plus waiting in its engine)."""
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for the spare when it is at max_ongoing_requests; beyond
-    that the API answers 503 with Retry-After."""
+    that the API answers 429 (code "queue_full") with Retry-After."""
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     """Grace period of a planned removal of the spare (as LaneConfig.drain_timeout_s)."""
 
@@ -510,6 +539,64 @@ class RouterConfig(_Section):
     returns from the spare (hysteresis against flapping)."""
 
 
+API_KEYS_ENV = "SPUR_API_KEYS"
+"""The environment variable the Helm chart exports from its `apiKeys` Secret, and the
+default of `server.auth.keys_env`."""
+
+
+class AuthConfig(_Section):
+    """API keys and tenants. The keys themselves never appear in the config: they are
+    read when the ingress starts, in the ingress's own process, from the environment
+    variable `keys_env` or the file `keys_file` (YAML or JSON, see the README's
+    Security section):
+
+        keys:
+          - {key: sk-alice-..., name: alice, tenant: acme, tokens_per_minute: 200000}
+          - {key_sha256: 9f86d0..., name: bob, tenant: globex, max_concurrent_requests: 4}
+          - {key: sk-ops-..., name: ops, admin: true}
+
+    With no keys found (the local default) every route is open, as before. With keys,
+    `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` of a
+    non-admin key, `/admin/*` that of an admin key; `open_paths` need none."""
+
+    keys_env: str | None = Field(API_KEYS_ENV, min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Environment variable holding the keys file's text (the Helm chart exports
+    SPUR_API_KEYS from its `apiKeys` Secret). Unset or empty variable: no keys from it.
+    Null: do not read the environment."""
+    keys_file: str | None = Field(None, min_length=1)
+    """Path of a keys file, read by the ingress at start (keys from `keys_env` and this
+    file are merged). Null: none."""
+    open_paths: list[Annotated[str, Field(pattern=r"^/\S*$")]] = Field(
+        default_factory=lambda: ["/health", "/health/live", "/metrics"]
+    )
+    """Paths that never need a key (exact match, or a prefix when the entry ends with
+    "/"), for probes and scrapers. Every other path needs one once keys exist."""
+    default_max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
+    """Generation requests one key may have in flight at once, across every ingress
+    replica, when its entry sets no `max_concurrent_requests`; beyond it the API
+    answers 429 with Retry-After. Null: unlimited."""
+    default_tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
+    """Prompt plus completion tokens one key may use in any 60-second window, across
+    every ingress replica, when its entry sets no `tokens_per_minute`; beyond it the
+    API answers 429 with Retry-After. Null: unlimited."""
+
+
+class RequestsConfig(_Section):
+    """Bounds on what one client request may make the ingress hold or do."""
+
+    max_body_bytes: ByteSize = Field(4 * 1024**2, ge=1024, le=1024**3)
+    """Largest request body accepted; a larger one is answered 413. Accepts "4MiB"."""
+    max_prompts: int = Field(64, ge=1, le=4096)
+    """Most prompts in one /v1/completions request (each is one engine request); more
+    is answered 400."""
+    tokenizer_threads: int = Field(2, ge=1, le=256)
+    """Threads of the ingress's pool for tokenizing, chat templating and block hashing,
+    so that a long prompt never stalls the event loop that streams every response."""
+    stream_buffer: int = Field(64, ge=1, le=100_000)
+    """Engine items buffered per streamed prompt in the ingress; a slow client makes the
+    engine stream wait (back-pressure) instead of growing this buffer."""
+
+
 class ServerConfig(_Section):
     """The HTTP endpoint and the Ray cluster it runs on."""
 
@@ -548,6 +635,11 @@ class ServerConfig(_Section):
     engines and ingress replicas push their counters to the KV index actor every
     second. false: engines keep no statistics and /metrics answers 404."""
 
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    """API keys, tenants and per-key limits (no keys: every route open)."""
+    requests: RequestsConfig = Field(default_factory=RequestsConfig)
+    """Bounds on request size and the ingress's tokenizer pool."""
+
     @property
     def embedded_ray(self) -> bool:
         """True when spur starts its own Ray instead of joining a cluster."""
@@ -576,7 +668,7 @@ class SpurConfig(_Section):
     """The lanes, at least one; names and served model names must be unique."""
     spare: SpareConfig | None = None
     """Optional single-device fallback for some lanes. Null: no fallback, a lane whose
-    replicas are all down answers 503."""
+    replicas are all down answers 503 (a full queue is 429, with or without a spare)."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """Replica choice within a lane, and failover."""
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -682,5 +774,7 @@ ALL_MODELS: tuple[type[BaseModel], ...] = (
     SpareConfig,
     RouterConfig,
     ServerConfig,
+    AuthConfig,
+    RequestsConfig,
 )
 """Every model of the tree, root first (the order of the README's reference)."""

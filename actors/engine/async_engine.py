@@ -65,7 +65,12 @@ class _Snapshot:
     done: asyncio.Future[tuple[int, list[bytes]]]
 
 
-_Command = _Add | _Abort | _ResetPrefixCache | _Snapshot
+@dataclass
+class _CheckIntegrity:
+    done: asyncio.Future[dict[str, int]]
+
+
+_Command = _Add | _Abort | _ResetPrefixCache | _Snapshot | _CheckIntegrity
 
 
 def event_batch(seq: int, events: list[KVEvent], group_id: int = 0) -> dict[str, Any]:
@@ -196,6 +201,30 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests whose stream is open (event loop thread)."""
+        return list(self._streams)
+
+    def fail(self, request_id: str, exc: Exception) -> bool:
+        """End an open request's stream with `exc` (its `generate` raises it) and abort
+        the request: its blocks return to the pool within one step. Call from the event
+        loop thread. Returns False when the request has no open stream."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.put_nowait(exc)
+        self._inbox.put(_Abort(request_id))
+        return True
+
+    async def check_integrity(self) -> dict[str, int]:
+        """Run the scheduler's and the KV pool's `check_integrity()` on the engine thread
+        (between steps). Returns {"num_requests", "num_free_blocks", "num_blocks"};
+        raises AssertionError (from the check) when the bookkeeping is broken."""
+        done: asyncio.Future[dict[str, int]] = self._loop.create_future()
+        self._inbox.put(_CheckIntegrity(done))
+        return await done
+
     async def reset_prefix_cache(self) -> None:
         """Forget every cached block hash, on the engine thread (between steps)."""
         done: asyncio.Future[None] = self._loop.create_future()
@@ -256,6 +285,19 @@ class AsyncEngine:
             self._flush_kv_events()
             hashes = list(sched.kv.pool.cached[0]) if sched.kv.pool.cached else []
             self._loop.call_soon_threadsafe(cmd.done.set_result, (self._next_seq - 1, hashes))
+            return
+        if isinstance(cmd, _CheckIntegrity):
+            try:
+                sched.check_integrity()
+                report = {
+                    "num_requests": len(sched.requests),
+                    "num_free_blocks": sched.kv.num_free_blocks,
+                    "num_blocks": sched.kv.pool.num_blocks,
+                }
+            except Exception as exc:  # reported to the caller, the engine goes on
+                self._loop.call_soon_threadsafe(cmd.done.set_exception, exc)
+            else:
+                self._loop.call_soon_threadsafe(cmd.done.set_result, report)
             return
         if isinstance(cmd, _Abort):
             if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:

@@ -41,6 +41,9 @@ class KVIndexActor:
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
         self.store = MetricsStore()
+        self.draining: str | None = None
+        self.drain_reports: list[dict[str, Any]] = []
+        self.spare_loads: dict[str, tuple[float, dict[str, int]]] = {}
 
     # -- engines ----------------------------------------------------------------------------
     def register(
@@ -80,7 +83,50 @@ class KVIndexActor:
             )
             if need:
                 break
-        return {"resync": need, "commands": self.commands.pop(replica_id, [])}
+        state = self.index.replicas.get(replica_id)
+        return {
+            "resync": need,
+            "commands": self.commands.pop(replica_id, []),
+            "spare_demand": self.spare_demand(state.lane) if state is not None else 0,
+        }
+
+    def leave(self, replica_id: str) -> bool:
+        """A planned removal (drain): the replica and its hashes leave the index now;
+        not a failure (see KVIndex.leave)."""
+        state = self.index.replicas.get(replica_id)
+        left = self.index.leave(replica_id)
+        if state is not None:
+            self.counters[(state.lane, "planned_leave")] += 1
+        return left
+
+    # -- drain and spare demand (ingress side) ----------------------------------------------
+    def set_draining(self, reason: str | None) -> None:
+        """The deployment is shutting down (`spur serve` got SIGTERM / Ctrl-C): every
+        ingress answers /health with 503 and refuses new requests. None: clear."""
+        self.draining = reason
+
+    def record_drain(self, report: dict[str, Any]) -> None:
+        """A replica finished its drain (EngineReplica.drain's report)."""
+        self.drain_reports = [*self.drain_reports[-999:], dict(report)]
+
+    def drained(self) -> list[dict[str, Any]]:
+        """The drain reports so far (`spur serve` logs them before it exits)."""
+        return list(self.drain_reports)
+
+    def report_spare_load(self, ingress_id: str, loads: dict[str, int]) -> str | None:
+        """An ingress's requests in flight on the spare, per lane they belong to (the
+        autoscaling policy counts them as that lane's demand). Answers the drain
+        reason (None while serving), so that the ingress polls both in one call."""
+        self.spare_loads[ingress_id] = (self.index.clock(), dict(loads))
+        return self.draining
+
+    def spare_demand(self, lane: str, fresh_s: float = 10.0) -> int:
+        """The lane's requests in flight on its spare, over the ingresses that reported
+        within `fresh_s`."""
+        now = self.index.clock()
+        return sum(
+            loads.get(lane, 0) for at, loads in self.spare_loads.values() if now - at <= fresh_s
+        )
 
     def queue_command(self, command: str, lane: str | None, replica_id: str | None) -> list[str]:
         """Queue an admin command for the replicas of `lane` (all lanes: None), or one

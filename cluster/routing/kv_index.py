@@ -273,6 +273,19 @@ class KVIndex:
         """Forget a replica (its actor is gone): its events and hashes go with it."""
         self.replicas.pop(replica_id, None)
 
+    def leave(self, replica_id: str) -> bool:
+        """A planned removal (scale-down, shutdown): forget the replica and its hashes
+        at once (no request is routed to it for a prefix any more), and free its slot
+        so that a later replica on the same node is not counted as a restart. Returns
+        False for an unknown replica."""
+        state = self.replicas.pop(replica_id, None)
+        if state is None:
+            return False
+        slot = self.slots.get((state.lane, state.node))
+        if slot is not None and slot.last_replica == replica_id:
+            slot.last_replica = None
+        return True
+
     # -- health ---------------------------------------------------------------------------
     def _alive(self, state: ReplicaState, now: float) -> bool:
         return state.failed_at is None and now - state.last_heartbeat <= self.heartbeat_timeout_s
