@@ -74,7 +74,7 @@ def obs_config(model_dir: Path, port: int, *, metrics: bool = True) -> dict[str,
             },
         ],
         "spare": {"name": "spare", "serves_lanes": ["chat"], "engine": _engine(model_dir)},
-        "router": {"stats_period_s": 0.5, "failover_healthy_after_s": 1.0, "max_attempts": 1},
+        "router": {"stats_period_s": 1.0, "failover_healthy_after_s": 1.0, "max_attempts": 1},
         "server": {
             "host": "127.0.0.1",
             "port": port,
