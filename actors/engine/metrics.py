@@ -362,7 +362,8 @@ def break_retirement(kv: Any, blocks_per_step: int) -> None:
     """TESTS ONLY (`engine.runtime.test_leak_blocks_per_step`): make `kv` (a
     KVCacheManager) keep `blocks_per_step` extra blocks in group 0's table of a
     request at every allocation, as a retirement that forgets to return blocks
-    would, up to one block more than twice what the request needs. The blocks are real
+    would, up to one block more than twice what the request needs (or until the
+    pool has no free block left). The blocks are real
     (taken from the pool, freed with the request), so KV usage rises,
     held/geometry exceeds 2 within one request, and the leak detector (switched
     on for plain models too) counts the request."""
@@ -376,7 +377,7 @@ def break_retirement(kv: Any, blocks_per_step: int) -> None:
     def leaky(request: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(request, *args, **kwargs)
         table = manager.tables.get(request.request_id)
-        if out is None or table is None or pool.num_free_blocks <= blocks_per_step + 2:
+        if out is None or table is None or pool.num_free_blocks < blocks_per_step:
             return out
         need = -(-kv._slots.get(request.request_id, 0) // kv.block_size)
         if len(table) > 2 * need:

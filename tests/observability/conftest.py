@@ -4,7 +4,8 @@ by the module that needs them (module-scoped: CI pays one start-up).
     obs_server   lanes  chat    the tiny model, one primary with a small pool (96
                                 blocks: preemption storms), spare "spare"
                         leaky   the tiny model with the tests-only broken retirement
-                                (engine.runtime.test_leak_blocks_per_step), no spare
+                                (engine.runtime.test_leak_blocks_per_step), 40 blocks,
+                                4 requests at a time (the rest wait), no spare
                  spare  spare   the tiny model, serves chat
     prom         Prometheus (Debian's `prometheus`; .ci/run installs it) scraping
                  /metrics every second, with spur's alert rules loaded
@@ -48,10 +49,11 @@ PROMETHEUS = "prometheus"
 
 def _engine(model_dir: Path, **extra: Any) -> dict[str, Any]:
     blocks = extra.pop("num_kv_blocks", 512)
+    seqs = extra.pop("max_num_seqs", 16)
     engine = {
         "model": {"path": str(model_dir), "dtype": "float32", "max_model_len": 512},
         "cache": {"block_size": 16, "num_kv_blocks": blocks},
-        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        "scheduler": {"max_num_seqs": seqs, "max_num_batched_tokens": 512},
         "parallelism": {"device": "cpu"},
         "runtime": {"num_threads": 1, **extra},
     }
@@ -70,7 +72,9 @@ def obs_config(model_dir: Path, port: int, *, metrics: bool = True) -> dict[str,
             {
                 "name": "leaky",
                 "served_model_names": ["leaky"],
-                "engine": _engine(model_dir, num_kv_blocks=80, test_leak_blocks_per_step=1),
+                "engine": _engine(
+                    model_dir, num_kv_blocks=40, max_num_seqs=4, test_leak_blocks_per_step=1
+                ),
             },
         ],
         "spare": {"name": "spare", "serves_lanes": ["chat"], "engine": _engine(model_dir)},
