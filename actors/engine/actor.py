@@ -217,6 +217,9 @@ class EngineReplica:
             try:
                 answer = await self.index.publish.remote(self.replica_id, batches, engine.stats())
                 self._spare_demand = float(answer.get("spare_demand", 0.0))
+                if answer.get("draining") is not None:  # the whole deployment stops
+                    asyncio.get_running_loop().create_task(self.drain())
+                    return
                 last = now
                 for command in answer["commands"]:
                     if command == "reset_prefix_cache":
