@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from spur.actors.engine.capacity import build_groups
 from spur.actors.engine.core import EngineCore
 from spur.actors.engine.executor import Executor
 from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
@@ -47,6 +48,7 @@ class EngineArgs:
     attn_backend: str = "auto"
     seed: int = 0
     num_threads: int | None = None
+    state_dtype: str = "float32"
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -61,6 +63,7 @@ class EngineArgs:
             seed=self.seed,
             num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            state_dtype=self.state_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,17 +105,20 @@ def build_engine(
                 "give kv_cache_bytes more memory or lower block_size"
             )
         executor.collective_rpc("initialize_cache", (num_blocks,))
-        spec = FullAttentionSpec(info.num_kv_heads, info.head_dim, info.kv_dtype_bytes)
+        groups = cache_groups(info)
         kv_config = KVCacheConfig(
             block_size=args.block_size,
             num_blocks=num_blocks,
-            groups=(KVCacheGroup(spec, info.num_attention_layers),),
+            groups=groups,
             enable_prefix_caching=args.enable_prefix_caching,
             hash_seed=args.hash_seed,
         )
         max_model_len = args.max_model_len
         if max_model_len is None:
-            max_model_len = min(info.max_position_embeddings, (num_blocks - 1) * args.block_size)
+            max_model_len = min(
+                info.max_position_embeddings,
+                longest_request(groups, num_blocks, args.block_size, args.max_num_batched_tokens),
+            )
         scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -135,6 +141,36 @@ def build_engine(
         max_model_len,
     )
     return Engine(EngineCore(scheduler, executor), scheduler, executor, info, args)
+
+
+def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:
+    """The engine's cache groups: for a hybrid model those of its geometry, built by
+    the same function (`capacity.build_groups`) as the worker's pool layout and as
+    `spur capacity`; else one full-attention group."""
+    if info.geometry is not None:
+        return build_groups(info.geometry)[0]
+    spec = FullAttentionSpec(info.num_kv_heads, info.head_dim, info.kv_dtype_bytes)
+    return (KVCacheGroup(spec, info.num_attention_layers),)
+
+
+def longest_request(
+    groups: tuple[KVCacheGroup, ...], num_blocks: int, block_size: int, max_chunk: int
+) -> int:
+    """Most tokens one request may have so that its blocks, summed over the
+    groups by the capacity formula, fit the pool's usable blocks (at least 1)."""
+    usable = num_blocks - 1
+
+    def fits(tokens: int) -> bool:
+        return sum(g.spec.max_blocks(tokens, block_size, max_chunk) for g in groups) <= usable
+
+    lo, hi = 1, usable * block_size
+    while lo < hi:  # largest fitting length; the bounds grow monotonically with it
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def load_tokenizer(model_dir: str) -> Any | None:

@@ -60,6 +60,12 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
         "attn_backend": engine.runtime.attn_backend,
         "seed": engine.runtime.seed,
         "num_threads": engine.runtime.num_threads,
+        **(
+            {"test_leak_blocks_per_step": engine.runtime.test_leak_blocks_per_step}
+            if engine.runtime.test_leak_blocks_per_step
+            else {}
+        ),
+        "state_dtype": engine.cache.state_dtype,
     }
 
 
@@ -165,13 +171,26 @@ def _engine_deployment(lane: LaneConfig | SpareConfig, router: RouterConfig) -> 
     return serve.deployment(EngineReplica).options(**options)
 
 
+def refuse_test_settings(lanes: list[LaneConfig | SpareConfig]) -> None:
+    """Raise ValueError when a lane uses a TESTS ONLY field outside tests."""
+    from spur.configs.env import test_settings_allowed
+
+    leaky = [lane.name for lane in lanes if lane.engine.runtime.test_leak_blocks_per_step]
+    if leaky and not test_settings_allowed():
+        raise ValueError(
+            f"lanes {leaky} set engine.runtime.test_leak_blocks_per_step, a deliberately "
+            "broken engine for tests only: remove it (tests set SPUR_ALLOW_TEST_SETTINGS=1)"
+        )
+
+
 def build_app(config: SpurConfig) -> Application:
     """The Serve application for `config` (not yet running: `serve.run` it)."""
     engines = {}
-    routing = routing_of(config.router)
+    routing = {**routing_of(config.router), "metrics": config.server.metrics}
     lanes: list[LaneConfig | SpareConfig] = list(config.lanes)
     if config.spare is not None:
         lanes.append(config.spare)
+    refuse_test_settings(lanes)
     for lane in lanes:
         engines[lane.name] = _engine_deployment(lane, config.router).bind(
             engine_args(lane.engine), lane.name, routing, lane_options(lane)

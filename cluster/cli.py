@@ -5,6 +5,8 @@
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
     spur bench core|engine|serve|routing [--json]
+    spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
+    spur top --url URL [--once] [--admin-key KEY]
 
 Misuse (an unknown or repeated subcommand, a missing file, a bad value) is a
 one-line error with the usage and exit status 2, never a traceback.
@@ -15,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
-COMMANDS = ("serve", "config", "generate", "capacity", "bench")
+COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
 BENCHES = ("core", "engine", "routing", "serve")
 
 
@@ -59,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     diff = cfg_sub.add_parser("diff", help="where a file and a running deployment differ")
     diff.add_argument("config", help="config file or preset name")
     diff.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
+    diff.add_argument(
+        "--api-key", default=None, help="admin key of a server with keys (env SPUR_ADMIN_KEY)"
+    )
 
     gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal")
     gen.add_argument("--model", default="SmolLM2-135M-Instruct", help="folder, .gguf or demo name")
@@ -87,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--kv-bytes", type=_positive, help="pool size in bytes (default 4 GiB)")
     cap.add_argument("--kv-dtype", default="bfloat16", help="float32 | bfloat16 | float16 | fp8")
     cap.add_argument(
-        "--state-dtype", default=None, help="dtype of state layers (default: kv dtype)"
+        "--state-dtype",
+        default=_default_state_dtype(),
+        help="dtype of state layers (default: the engine's, cache.state_dtype)",
     )
     cap.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
     cap.add_argument(
@@ -118,7 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="paired runs of both arms per level, alternating order; reports the median",
     )
+    serve_b.add_argument(
+        "--baseline-url",
+        default=None,
+        help="compare against this second server over HTTP instead of the offline engine",
+    )
     serve_b.add_argument("--json", action="store_true")
+    serve_b.add_argument("--api-key", default=None, help="API key (env SPUR_API_KEY)")
+    serve_b.add_argument(
+        "--admin-key", default=None, help="admin key for /admin/* (env SPUR_ADMIN_KEY)"
+    )
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
     )
@@ -149,7 +166,92 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
     )
     engine.add_argument("--json", action="store_true")
+    _observability_parsers(sub)
     return parser
+
+
+def _observability_parsers(sub: Any) -> None:
+    """`spur dashboards ...` and `spur top` (cluster/dashboards.py, grafana.py, top.py)."""
+    dash = sub.add_parser("dashboards", help="Grafana dashboards and alert rules (as code)")
+    dash_sub = dash.add_subparsers(dest="dashboards_command", metavar="ACTION")
+    export = dash_sub.add_parser("export", help="write the dashboards' JSON and alerts.yaml")
+    export.add_argument("dir", help="output folder")
+    push = dash_sub.add_parser("push", help="create or update them in Grafana (grafana-client)")
+    push.add_argument("--grafana-url", required=True, help="e.g. http://grafana:3000")
+    push.add_argument("--token", help="service-account token (or SPUR_GRAFANA_TOKEN)")
+    push.add_argument("--user", help="basic auth user")
+    push.add_argument("--password", help="basic auth password")
+    push.add_argument(
+        "--prometheus-url",
+        default="http://prometheus:9090",
+        help="the data source URL, as Grafana's server reaches Prometheus",
+    )
+    top = sub.add_parser("top", help="live view of a running deployment (rich)")
+    top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY)")
+
+
+def cmd_dashboards(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.dashboards_command == "export":
+        from spur.cluster.dashboards import export
+
+        for path in export(Path(args.dir)):
+            print(path)
+        return 0
+    if args.dashboards_command == "push":
+        from spur.cluster.grafana import PushError, push
+        from spur.configs.env import grafana_token
+
+        try:
+            done = push(
+                args.grafana_url,
+                token=args.token or grafana_token(),
+                user=args.user,
+                password=args.password,
+                prometheus_url=args.prometheus_url,
+            )
+        except PushError as e:
+            print(f"spur: error: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(done))
+        return 0
+    raise UsageError("choose an action: export, push")
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from spur.cluster.top import TopError, run
+    from spur.configs.env import admin_key
+
+    try:
+        return run(
+            args.url,
+            once=args.once,
+            interval_s=args.interval,
+            admin_key=args.admin_key or admin_key(),
+        )
+    except TopError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        return 1
+
+
+def json_stdout() -> TextIO:
+    """Keep stdout for one JSON document: point file descriptor 1 (print, logging
+    to stdout, child processes, Ray's forwarded worker log lines such as
+    "(raylet) Task ... failed") at stderr, and return a stream on the original
+    stdout for the result, so that `spur ... --json | jq` always parses."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(saved, "w", encoding="utf-8")
+
+
+def print_json(out: TextIO, result: Any) -> None:
+    out.write(json.dumps(result, indent=2) + "\n")
+    out.flush()
 
 
 def _load(path: str) -> Any:
@@ -176,8 +278,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    from spur.cluster.auth import AuthConfigError, is_loopback, load_keys
     from spur.cluster.server import run_server
 
+    try:  # the ingress reads them again in its own process; fail early here
+        keys = load_keys(cfg.server.auth.model_dump())
+    except AuthConfigError as e:
+        raise UsageError(str(e)) from None
+    if keys:
+        roles = sum(1 for e in keys.entries if e.admin)
+        print(f"API keys: {len(keys) - roles} API key(s), {roles} admin key(s)", file=sys.stderr)
+    elif not is_loopback(cfg.server.host):
+        print(
+            f"spur: warning: serving on {cfg.server.host} without API keys: anyone who can "
+            "reach this port can use the API and /admin/*; set keys in "
+            f"${cfg.server.auth.keys_env or 'SPUR_API_KEYS'} or server.auth.keys_file "
+            "(README: Security)",
+            file=sys.stderr,
+        )
     print("effective configuration:")
     print(to_yaml(cfg))
     return run_server(cfg, announce=lambda url: print(f"spur is serving at {url}/v1", flush=True))
@@ -194,10 +312,14 @@ def cmd_config(args: argparse.Namespace) -> int:
         import urllib.error
         import urllib.request
 
+        from spur.configs.env import client_api_key
+
         cfg = _load(args.config)
         url = args.url.rstrip("/") + "/admin/config"
+        key = args.api_key or client_api_key(admin=True)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), 10) as resp:
                 live = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise UsageError(f"cannot read the live config at {url}: {e}") from None
@@ -264,6 +386,13 @@ def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None
         raise UsageError(f"'{words[0]}' given twice; usage: {usage}")
 
 
+def _default_state_dtype() -> str:
+    """cache.state_dtype's default: `spur capacity` sizes states as the engine stores them."""
+    from spur.configs.schema import CacheConfig
+
+    return str(CacheConfig.model_fields["state_dtype"].default)
+
+
 def cmd_capacity(args: argparse.Namespace) -> int:
     import json as _json
     from pathlib import Path
@@ -313,7 +442,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         result["peak_blocks_held"] = sim.peak_blocks_held
         result["geometry_blocks"] = sim.geometry_blocks
     if args.json:
-        print(json.dumps(result, indent=2))
+        print_json(json_stdout(), result)
     else:
         _print_capacity(result)
     return 0
@@ -335,12 +464,14 @@ def _print_capacity(r: dict[str, Any]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    out = json_stdout() if getattr(args, "json", False) else None
     if args.bench == "core":
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
     elif args.bench == "serve":
         from spur.cluster.bench import serve
+        from spur.configs.env import client_api_key
 
         try:
             result = serve.run(
@@ -350,6 +481,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 requests_per_level=args.requests,
                 rounds=args.rounds,
+                baseline_url=args.baseline_url,
+                api_key=args.api_key or client_api_key(),
+                admin_key=args.admin_key or client_api_key(admin=True),
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
@@ -392,8 +526,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if out is not None:
+        print_json(out, result)
     else:
         for key, value in result.items():
             print(f"{key}: {value}")
@@ -406,6 +540,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "capacity": cmd_capacity,
     "bench": cmd_bench,
+    "dashboards": cmd_dashboards,
+    "top": cmd_top,
 }
 
 

@@ -123,6 +123,7 @@ def stop(cfg: SpurConfig) -> None:
     import ray
     from ray import serve
 
+    from spur.cluster.limits import kill_limits
     from spur.cluster.routing.index_actor import kill_index
 
     if not ray.is_initialized():  # start failed before Ray ran: nothing to stop (and
@@ -132,6 +133,7 @@ def stop(cfg: SpurConfig) -> None:
         _log_drains()
         serve.shutdown()
         kill_index()
+        kill_limits()
     finally:
         if cfg.server.embedded_ray:
             ray.shutdown()

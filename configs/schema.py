@@ -231,6 +231,10 @@ class CacheConfig(_Section):
     """Seed of the chained block hashes. Every engine and the router must use the same
     one, or prefix routing finds no matches; change it to invalidate every cached
     prefix (for example after changing the chat template)."""
+    state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of the recurrent states of hybrid models (Gated DeltaNet conv and
+    delta-rule states, kept in the same pool as attention pages). float32 as in
+    transformers' cache; `spur capacity --state-dtype` defaults to it too."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> CacheConfig:
@@ -304,6 +308,10 @@ class RuntimeConfig(_Section):
     """torch intra-op threads per worker, and the CPUs a TP=1 engine replica reserves
     in Ray (Ray sets OMP_NUM_THREADS to that reservation). Unset: 1 CPU reserved,
     torch's default threads; set it when several engines share a machine."""
+    test_leak_blocks_per_step: int = Field(0, ge=0, le=64)
+    """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
+    request at every step, as a retirement bug would (the leak metrics and alerts are
+    tested with it). Refused unless SPUR_ALLOW_TEST_SETTINGS=1; keep it 0."""
 
 
 class EngineConfig(_Section):
@@ -478,7 +486,7 @@ class SpareConfig(_Section):
     """Requests the spare accepts at once (running plus waiting in its engine)."""
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for the spare when it is at max_ongoing_requests; beyond
-    that the API answers 503 with Retry-After."""
+    that the API answers 429 (code "queue_full") with Retry-After."""
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     """Grace period of a planned removal of the spare (as LaneConfig.drain_timeout_s)."""
 
@@ -531,6 +539,64 @@ class RouterConfig(_Section):
     returns from the spare (hysteresis against flapping)."""
 
 
+API_KEYS_ENV = "SPUR_API_KEYS"
+"""The environment variable the Helm chart exports from its `apiKeys` Secret, and the
+default of `server.auth.keys_env`."""
+
+
+class AuthConfig(_Section):
+    """API keys and tenants. The keys themselves never appear in the config: they are
+    read when the ingress starts, in the ingress's own process, from the environment
+    variable `keys_env` or the file `keys_file` (YAML or JSON, see the README's
+    Security section):
+
+        keys:
+          - {key: sk-alice-..., name: alice, tenant: acme, tokens_per_minute: 200000}
+          - {key_sha256: 9f86d0..., name: bob, tenant: globex, max_concurrent_requests: 4}
+          - {key: sk-ops-..., name: ops, admin: true}
+
+    With no keys found (the local default) every route is open, as before. With keys,
+    `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` of a
+    non-admin key, `/admin/*` that of an admin key; `open_paths` need none."""
+
+    keys_env: str | None = Field(API_KEYS_ENV, min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Environment variable holding the keys file's text (the Helm chart exports
+    SPUR_API_KEYS from its `apiKeys` Secret). Unset or empty variable: no keys from it.
+    Null: do not read the environment."""
+    keys_file: str | None = Field(None, min_length=1)
+    """Path of a keys file, read by the ingress at start (keys from `keys_env` and this
+    file are merged). Null: none."""
+    open_paths: list[Annotated[str, Field(pattern=r"^/\S*$")]] = Field(
+        default_factory=lambda: ["/health", "/health/live", "/metrics"]
+    )
+    """Paths that never need a key (exact match, or a prefix when the entry ends with
+    "/"), for probes and scrapers. Every other path needs one once keys exist."""
+    default_max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
+    """Generation requests one key may have in flight at once, across every ingress
+    replica, when its entry sets no `max_concurrent_requests`; beyond it the API
+    answers 429 with Retry-After. Null: unlimited."""
+    default_tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
+    """Prompt plus completion tokens one key may use in any 60-second window, across
+    every ingress replica, when its entry sets no `tokens_per_minute`; beyond it the
+    API answers 429 with Retry-After. Null: unlimited."""
+
+
+class RequestsConfig(_Section):
+    """Bounds on what one client request may make the ingress hold or do."""
+
+    max_body_bytes: ByteSize = Field(4 * 1024**2, ge=1024, le=1024**3)
+    """Largest request body accepted; a larger one is answered 413. Accepts "4MiB"."""
+    max_prompts: int = Field(64, ge=1, le=4096)
+    """Most prompts in one /v1/completions request (each is one engine request); more
+    is answered 400."""
+    tokenizer_threads: int = Field(2, ge=1, le=256)
+    """Threads of the ingress's pool for tokenizing, chat templating and block hashing,
+    so that a long prompt never stalls the event loop that streams every response."""
+    stream_buffer: int = Field(64, ge=1, le=100_000)
+    """Engine items buffered per streamed prompt in the ingress; a slow client makes the
+    engine stream wait (back-pressure) instead of growing this buffer."""
+
+
 class ServerConfig(_Section):
     """The HTTP endpoint and the Ray cluster it runs on."""
 
@@ -564,6 +630,15 @@ class ServerConfig(_Section):
     the ingress and the proxy (BENCHMARKS.md). An embedded Ray sets
     RAY_SERVE_PROXY_USE_GRPC=1 for the proxy; on a joined cluster the second hop
     uses gRPC only where that variable is in the nodes' environment."""
+    metrics: bool = True
+    """Prometheus metrics at GET /metrics on the API port (vLLM's names plus spur's):
+    engines and ingress replicas push their counters to the KV index actor every
+    second. false: engines keep no statistics and /metrics answers 404."""
+
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    """API keys, tenants and per-key limits (no keys: every route open)."""
+    requests: RequestsConfig = Field(default_factory=RequestsConfig)
+    """Bounds on request size and the ingress's tokenizer pool."""
 
     @property
     def embedded_ray(self) -> bool:
@@ -593,7 +668,7 @@ class SpurConfig(_Section):
     """The lanes, at least one; names and served model names must be unique."""
     spare: SpareConfig | None = None
     """Optional single-device fallback for some lanes. Null: no fallback, a lane whose
-    replicas are all down answers 503."""
+    replicas are all down answers 503 (a full queue is 429, with or without a spare)."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """Replica choice within a lane, and failover."""
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -699,5 +774,7 @@ ALL_MODELS: tuple[type[BaseModel], ...] = (
     SpareConfig,
     RouterConfig,
     ServerConfig,
+    AuthConfig,
+    RequestsConfig,
 )
 """Every model of the tree, root first (the order of the README's reference)."""

@@ -161,3 +161,92 @@ def paged_attention(
         sliding_window=sliding_window,
         out=out,
     )
+
+
+# --------------------------------------------------------------------------- Gated DeltaNet
+# Ops of GDN layers (Qwen3.5 / Qwen3-Next): kernels/gdn_reference.py holds the
+# contract (shapes, state pool layout, GDNMetadata); these pick the backend.
+
+from spur.kernels.gdn_reference import (  # noqa: E402
+    GDNMetadata,
+    build_gdn_metadata,
+    causal_conv1d_varlen_ref,
+    gated_delta_rule_varlen_ref,
+)
+
+if _TRITON_ERROR is None:
+    from spur.kernels.gdn_conv_triton import causal_conv1d_varlen_triton
+    from spur.kernels.gdn_triton import gated_delta_rule_varlen_triton
+
+__all__ += [
+    "GDNMetadata",
+    "build_gdn_metadata",
+    "causal_conv1d_varlen",
+    "gated_delta_rule_varlen",
+]
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    metadata: GDNMetadata,
+    activation: str | None = "silu",
+    *,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal conv1d (+ SiLU) of one step's flattened batch through the conv state pool.
+
+    x: [num_tokens, conv_dim]; weight: [conv_dim, K]; conv_state: [num_slots, K-1,
+    conv_dim], mutated. Returns out [num_tokens, conv_dim]. Full contract:
+    gdn_reference.causal_conv1d_varlen_ref; `backend` as for paged_attention.
+    """
+    if _resolve(backend, x.device) == "triton":
+        fn = causal_conv1d_varlen_triton
+    else:
+        fn = causal_conv1d_varlen_ref
+    return fn(x, weight, bias, conv_state, metadata, activation, out=out)
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    metadata: GDNMetadata,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Gated delta rule of one step's flattened batch through the recurrent state pool.
+
+    q, k: [num_tokens, num_k_heads, k_head_dim]; v: [num_tokens, num_v_heads,
+    v_head_dim]; g, beta: [num_tokens, num_v_heads]; ssm_state: [num_slots,
+    num_v_heads, k_head_dim, v_head_dim], mutated. Returns out [num_tokens,
+    num_v_heads, v_head_dim]. Full contract: gdn_reference.gated_delta_rule_varlen_ref.
+    chunk_size (16, 32 or 64 for triton) is the prefill chunk of the chunked form.
+    """
+    if _resolve(backend, q.device) == "triton":
+        fn = gated_delta_rule_varlen_triton
+    else:
+        fn = gated_delta_rule_varlen_ref
+    return fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_state,
+        metadata,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        out=out,
+    )

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
+from spur.actors.engine.metrics import EngineMetrics, break_retirement, engine_info
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -61,6 +62,11 @@ class EngineReplica:
 
         self.lane = lane
         self.routing = routing
+        engine_args = dict(engine_args)
+        # Tests only (engine.runtime.test_leak_blocks_per_step; build_app refuses it
+        # outside tests): a deliberately broken retirement, for the leak metrics.
+        test_leak = int(engine_args.pop("test_leak_blocks_per_step", 0) or 0)
+        self.metrics_on = bool((routing or {}).get("metrics", True))
         options = options or {}
         self.drain_timeout_s = float(options.get("drain_timeout_s", 30.0))
         self.autoscaling_targets = dict(options.get("autoscaling_targets") or {})
@@ -99,6 +105,8 @@ class EngineReplica:
                 kwargs["executor_factory"] = factory
             built = _in_own_thread(lambda: build_engine(self.args, **kwargs))
             self.built = built
+            if test_leak:
+                break_retirement(built.scheduler.kv, test_leak)
             self.tokenizer = load_tokenizer(built.info.model_dir)
         except BaseException as exc:
             if self.index is not None:  # counted: a restart loop marks this node down
@@ -125,12 +133,20 @@ class EngineReplica:
         # that loop), with the KV-event publisher when routing is on.
         if self.engine is None:
             threads = self.args.num_threads if self.args.tensor_parallel_size == 1 else None
+            metrics = None
+            if self.metrics_on:
+                sched = self.built.scheduler
+                metrics = EngineMetrics(
+                    max_model_len=sched.config.max_model_len,
+                    info=engine_info(sched.kv.config, sched.config, self.args),
+                )
             self.engine = AsyncEngine(
                 self.built.core,
                 self.tokenizer,
                 eos_token_id=self.built.info.eos_token_id,
                 vocab_size=self.built.info.vocab_size,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
+                metrics=metrics,
             )
             if self.index is not None:
                 self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
@@ -204,23 +220,31 @@ class EngineReplica:
         engine = self.engine
         events_period = float(self.routing.get("events_period_s", 0.05))
         stats_period = float(self.routing.get("stats_period_s", 1.0))
-        last = 0.0
+        metrics_period = min(stats_period, 1.0)
+        last = last_metrics = 0.0
         warned = False
         while True:
             await asyncio.sleep(events_period)
             batches = engine.take_kv_batches()
             now = time.monotonic()
-            if not batches and now - last < stats_period:
+            if not batches and now - last < stats_period and now - last_metrics < metrics_period:
                 continue
             if self.draining_since is not None:
                 return  # left the index: nothing more to tell it
+            snapshot = None
+            if engine.metrics is not None and now - last_metrics >= metrics_period:
+                snapshot = engine.metrics.snapshot()
             try:
-                answer = await self.index.publish.remote(self.replica_id, batches, engine.stats())
+                answer = await self.index.publish.remote(
+                    self.replica_id, batches, engine.stats(), snapshot
+                )
                 self._spare_demand = float(answer.get("spare_demand", 0.0))
                 if answer.get("draining") is not None:  # the whole deployment stops
                     asyncio.get_running_loop().create_task(self.drain())
                     return
                 last = now
+                if snapshot is not None:
+                    last_metrics = now
                 for command in answer["commands"]:
                     if command == "reset_prefix_cache":
                         await engine.reset_prefix_cache()

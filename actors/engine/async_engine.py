@@ -26,6 +26,7 @@ from typing import Any
 
 from spur.actors.engine.block_pool import AllBlocksCleared, BlockStored, KVEvent
 from spur.actors.engine.core import EngineCore
+from spur.actors.engine.metrics import EngineMetrics
 from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
@@ -111,8 +112,10 @@ class AsyncEngine:
         vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
         on_thread_start: Callable[[], None] | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.core = core
+        self.metrics = metrics  # fed on the engine thread (None: metrics off)
         self.scheduler = core.scheduler
         self.processor = OutputProcessor(tokenizer)
         self.eos_token_id = eos_token_id
@@ -300,6 +303,8 @@ class AsyncEngine:
             if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
                 sched.abort_requests(cmd.request_id)
                 self.processor.abort(cmd.request_id)
+                if self.metrics is not None:
+                    self.metrics.on_abort(cmd.request_id)
             return
         try:
             request = sched.make_request(
@@ -315,6 +320,8 @@ class AsyncEngine:
             self._send(cmd.request_id, exc)
             return
         self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params)
+        if self.metrics is not None:
+            self.metrics.on_add(cmd.request_id, len(cmd.prompt_token_ids))
 
     def _run(self) -> None:
         try:
@@ -358,6 +365,10 @@ class AsyncEngine:
         update = self.processor.process(outputs)
         if update.to_finish:
             self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
+        if self.metrics is not None:
+            self.metrics.on_step(outputs, stats, self.scheduler)
+            for rid in update.to_finish:
+                self.metrics.finish(rid, "stop")
         # One hand-over per step, not one per request: each wakes the event loop
         # thread, which then competes with this thread's forward for the GIL.
         items: list[Delta | RequestOutput] = [*update.deltas, *update.finished]

@@ -104,6 +104,8 @@ class Scheduler:
         )
         self.block_size = kv_config.block_size
         self._align_chunks = kv_config.has_state_groups
+        # States are cached only at block boundaries: stop a prefill at its last one.
+        self._cut_tail = self._align_chunks and kv_config.enable_prefix_caching
         self._check_fits_one_request(kv_config)
 
         self.requests: dict[str, Request] = {}
@@ -292,8 +294,14 @@ class Scheduler:
             num_new = threshold
         num_new = min(num_new, budget, self.config.max_model_len - computed)
         end = computed + num_new
-        if self._align_chunks and end < target:
-            num_new = end // self.block_size * self.block_size - computed
+        if self._align_chunks:
+            bs = self.block_size
+            if end < target:
+                num_new = end // bs * bs - computed
+            elif self._cut_tail and computed < target // bs * bs < end:
+                # The last chunk of a prefill stops at the last block boundary
+                # first, so the state there is kept (cacheable); the tail follows.
+                num_new = target // bs * bs - computed
         return num_new
 
     def _fork_waits_for_admission(self, req: Request, num_hit: int) -> bool:

@@ -35,6 +35,8 @@ class RequestState:
     block_ids: list[int]  # attention group's table (group 0)
     num_computed_tokens: int
     eos_token_id: int | None
+    group_block_ids: list[list[int]] | None = None
+    """Every group's table (hybrid models; [0] is `block_ids` itself), else None."""
 
 
 @dataclass
@@ -73,14 +75,16 @@ class RequestStates:
             self.states.pop(rid, None)
         added = []
         for new in out.scheduled_new_reqs:
+            tables = [list(t) for t in new.block_ids]
             self.states[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids[0]),
+                block_ids=tables[0],
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
+                group_block_ids=tables if len(tables) > 1 else None,
             )
             added.append(new.req_id)
         cached = out.scheduled_cached_reqs
@@ -91,7 +95,11 @@ class RequestStates:
                 state.token_ids.extend(new_tokens)
             blocks = cached.new_block_ids[i]
             if blocks is not None:
-                state.block_ids.extend(blocks[0])
+                if state.group_block_ids is None:
+                    state.block_ids.extend(blocks[0])
+                else:
+                    for table, ids in zip(state.group_block_ids, blocks, strict=True):
+                        table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
         return added
 

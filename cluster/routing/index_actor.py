@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from spur.cluster.metrics import MetricsStore
 from spur.cluster.routing.kv_index import BlockHash, KVIndex
 from spur.cluster.routing.policy import Candidate, Weights, choose
 
@@ -39,6 +40,7 @@ class KVIndexActor:
         self.counters: Counter[tuple[str, str]] = Counter()
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
+        self.store = MetricsStore()
         self.draining: str | None = None
         self.drain_reports: list[dict[str, Any]] = []
         self.spare_loads: dict[str, tuple[float, dict[str, int]]] = {}
@@ -53,12 +55,20 @@ class KVIndexActor:
         self.index.start_failed(lane, node, error)
 
     def publish(
-        self, replica_id: str, batches: list[dict[str, Any]], stats: dict[str, Any]
+        self,
+        replica_id: str,
+        batches: list[dict[str, Any]],
+        stats: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Apply a replica's batches in order (and its heartbeat). Answers
+        """Apply a replica's batches in order (and its heartbeat; `metrics`, when
+        given, is its cumulative metrics snapshot for /metrics). Answers
         {"resync": the replica must send a snapshot, "commands": admin commands
         queued for it, e.g. "reset_prefix_cache"}."""
         need = False
+        state = self.index.replicas.get(replica_id)
+        if metrics is not None and state is not None:
+            self.store.update_engine(replica_id, state.lane, metrics)
         if not batches:
             need = self.index.publish(replica_id, -1, stats=stats)
         for b in batches:
@@ -229,6 +239,43 @@ class KVIndexActor:
 
     def lanes(self, lanes: list[str]) -> dict[str, Any]:
         return {lane: self.index.lane_report(lane) for lane in lanes}
+
+    # -- metrics ----------------------------------------------------------------------------
+    def push_ingress(
+        self, ingress_id: str, counters: dict[str, Any], lanes: dict[str, Any] | None = None
+    ) -> None:
+        """An ingress replica's cumulative HTTP / failover counters and lane states."""
+        self.store.update_ingress(ingress_id, counters, lanes)
+
+    def metrics_view(
+        self,
+        lanes: list[str],
+        ingress_id: str | None = None,
+        counters: dict[str, Any] | None = None,
+        lane_states: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Everything /metrics renders (spur.cluster.metrics.render), after taking
+        the caller's own latest counters: engines' snapshots, HTTP totals, lane
+        states, routing counters, replica health and start-failure slots."""
+        if ingress_id is not None and counters is not None:
+            self.store.update_ingress(ingress_id, counters, lane_states)
+        now = self.index.clock()
+        slots = [
+            {
+                "lane": lane,
+                "node": node,
+                "start_failures": slot.start_failures,
+                "restarts": slot.restarts,
+                "down": self.index.slot_down(lane, node, now),
+            }
+            for (lane, node), slot in sorted(self.index.slots.items())
+        ]
+        return {
+            "store": self.store.view(),
+            "routing": self.metrics(),
+            "lanes": self.lanes(lanes),
+            "slots": slots,
+        }
 
     def metrics(self) -> dict[str, Any]:
         """Routing metrics, JSON-safe (exported as Prometheus metrics later)."""

@@ -83,6 +83,8 @@ class _Slot:
 
     failures: deque[float] = field(default_factory=deque)
     restarts: int = 0
+    start_failures: int = 0
+    """Every start failure ever (a counter for metrics; `failures` is the window)."""
     last_replica: str | None = None
     last_error: str | None = None
 
@@ -148,6 +150,7 @@ class KVIndex:
         slot = self.slots.setdefault((lane, node), _Slot())
         slot.failures.append(now)
         slot.restarts += 1
+        slot.start_failures += 1
         slot.last_error = error[-500:]
         while slot.failures and slot.failures[0] < now - self.restart_window_s:
             slot.failures.popleft()

@@ -8,6 +8,7 @@ when the directory's last test is done, not at the end of the whole run).
                        tiny-tp2  the tiny model, TP=2 (Ray worker actors)
                        busy      the tiny model, max_ongoing 1 / max_queued 1
                        smol      SmolLM2-135M-Instruct (the demo model)
+                       hybrid    configs/hybrid-tiny.yaml's random Qwen3.5
     openai_client    the official `openai` client on http://127.0.0.1:PORT/v1
     http             an httpx client on http://127.0.0.1:PORT (raw checks)
 
@@ -155,6 +156,7 @@ def server_config(model_dir: Path, port: int) -> dict[str, Any]:
                 "max_ongoing_requests": 16,
                 "max_queued_requests": 32,
             },
+            hybrid_lane(),
         ],
         "server": {
             "host": "127.0.0.1",
@@ -163,6 +165,17 @@ def server_config(model_dir: Path, port: int) -> dict[str, Any]:
             "object_store_memory": "200MiB",
         },
     }
+
+
+def hybrid_lane() -> dict[str, Any]:
+    """The lane of configs/hybrid-tiny.yaml (a random Qwen3.5 built on first use),
+    named "hybrid", with a smaller pool and one thread."""
+    preset = Path(__file__).resolve().parents[2] / "configs" / "hybrid-tiny.yaml"
+    lane = yaml.safe_load(preset.read_text())["lanes"][0]
+    lane["name"] = "hybrid"
+    lane["engine"]["cache"]["kv_cache_bytes"] = "16MiB"
+    lane["engine"]["runtime"]["num_threads"] = 1
+    return lane
 
 
 def undeployable_lanes(data: dict[str, Any]) -> dict[str, str]:

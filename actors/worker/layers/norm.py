@@ -46,3 +46,33 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3.5 / Qwen3-Next norm: `y = (x / rms(x)) * (1 + w)`, all in float32.
+
+    The checkpoint stores `w` centred on zero. Unlike `RMSNorm` the weight is
+    applied in float32 before the cast back (`(x * (1 + w)).to(dtype)`), as
+    transformers' `Qwen3_5RMSNorm` does, so bf16 results match it.
+    """
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """Gated DeltaNet output norm: `y = (w * (x / rms(x)).to(dtype)) * silu(gate)`.
+
+    Statistics and the gate in float32, the result cast to x's dtype (as
+    transformers' `Qwen3_5RMSNormGated`). `x`, `gate`: `[..., hidden]`; the
+    weight is one head's width and is replicated on every TP rank.
+    """
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dtype)
+        return (y * torch.nn.functional.silu(gate.float())).to(dtype)
