@@ -221,6 +221,7 @@ class LoadDriver:
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
         t0 = time.monotonic()
         ttft, tokens = None, 0
@@ -237,7 +238,8 @@ class LoadDriver:
                         return Outcome(phase, False, ttft, tokens, str(chunk["error"])[:200])
                     if any(c.get("text") for c in chunk.get("choices", ())):
                         ttft = ttft if ttft is not None else time.monotonic() - t0
-                        tokens += 1
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"]["completion_tokens"])
         except httpx.HTTPError as exc:
             return Outcome(phase, False, ttft, tokens, f"{type(exc).__name__}: {exc}")
         ok = tokens == self.max_tokens
