@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench-core
+.PHONY: serve test lint bench-core prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/spur serve configs/local.yaml
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
@@ -31,3 +31,8 @@ lint: $(STAMP)
 
 bench-core: $(STAMP)
 	$(BIN)/spur bench core --json
+
+# Prometheus and promtool for tests/observability (Debian's package; needs root).
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)

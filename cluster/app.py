@@ -18,10 +18,23 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from spur.actors.engine.actor import EngineReplica
+from spur.cluster.autoscaling import POLICY_IMPORT_PATH, target_metrics
 from spur.cluster.ingress import Ingress
 from spur.cluster.routing.index_actor import index_kwargs_of
 from spur.configs.loader import config_to_dict
-from spur.configs.schema import EngineConfig, LaneConfig, RouterConfig, SpareConfig, SpurConfig
+from spur.configs.schema import (
+    AutoscalingConfig,
+    EngineConfig,
+    LaneConfig,
+    RouterConfig,
+    SpareConfig,
+    SpurConfig,
+)
+
+DRAIN_MARGIN_S = 10.0
+"""Serve's graceful_shutdown_timeout_s of an engine is its drain_timeout_s plus this:
+the replica aborts what is left at drain_timeout_s itself (a clear error, blocks
+returned) before Serve would kill it."""
 
 
 def engine_args(engine: EngineConfig) -> dict[str, Any]:
@@ -48,6 +61,11 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
         "seed": engine.runtime.seed,
         "num_threads": engine.runtime.num_threads,
         "state_dtype": engine.cache.state_dtype,
+        **(
+            {"test_leak_blocks_per_step": engine.runtime.test_leak_blocks_per_step}
+            if engine.runtime.test_leak_blocks_per_step
+            else {}
+        ),
     }
 
 
@@ -87,18 +105,49 @@ def _router_config(lane: str, router: RouterConfig) -> RequestRouterConfig | Non
     )
 
 
+def serve_autoscaling_config(auto: AutoscalingConfig) -> dict[str, Any]:
+    """Serve's autoscaling_config of a lane (spur's policy, Serve's delays and bounds)."""
+    out: dict[str, Any] = {
+        "min_replicas": auto.min_replicas,
+        "initial_replicas": auto.min_replicas,
+        "max_replicas": auto.max_replicas,
+        "upscale_delay_s": auto.upscale_delay_s,
+        "downscale_delay_s": auto.downscale_delay_s,
+        "look_back_period_s": auto.look_back_period_s,
+        "policy": {"policy_function": POLICY_IMPORT_PATH},
+    }
+    if auto.look_back_period_s <= 10.0:  # Serve's default interval must stay below it
+        out["metrics_interval_s"] = auto.look_back_period_s / 2
+    return out
+
+
+def lane_options(lane: LaneConfig | SpareConfig) -> dict[str, Any]:
+    """What an engine replica needs of its lane besides the engine: its drain grace
+    and the autoscaling targets it reports to the policy."""
+    auto = getattr(lane, "autoscaling", None)
+    return {
+        "drain_timeout_s": lane.drain_timeout_s,
+        "autoscaling_targets": target_metrics(auto.model_dump() if auto else None),
+    }
+
+
 def _engine_deployment(lane: LaneConfig | SpareConfig, router: RouterConfig) -> Any:
     engine = lane.engine
     tp = engine.parallelism.tensor_parallel_size
     gpus = engine.parallelism.num_gpus_per_worker
     options: dict[str, Any] = {
         "name": deployment_name(lane.name),
-        "num_replicas": getattr(lane, "replicas", 1),
         "max_ongoing_requests": lane.max_ongoing_requests,
         "max_queued_requests": lane.max_queued_requests,
         "health_check_period_s": 5.0,
-        "graceful_shutdown_timeout_s": 20.0,
+        "graceful_shutdown_timeout_s": lane.drain_timeout_s + DRAIN_MARGIN_S,
+        "graceful_shutdown_wait_loop_s": 0.5,
     }
+    auto = getattr(lane, "autoscaling", None)
+    if auto is not None:
+        options["autoscaling_config"] = serve_autoscaling_config(auto)
+    else:
+        options["num_replicas"] = getattr(lane, "replicas", 1)
     request_router = _router_config(lane.name, router)
     if request_router is not None:
         options["request_router_config"] = request_router
@@ -122,21 +171,38 @@ def _engine_deployment(lane: LaneConfig | SpareConfig, router: RouterConfig) -> 
     return serve.deployment(EngineReplica).options(**options)
 
 
+def refuse_test_settings(lanes: list[LaneConfig | SpareConfig]) -> None:
+    """Raise ValueError when a lane uses a TESTS ONLY field outside tests."""
+    from spur.configs.env import test_settings_allowed
+
+    leaky = [lane.name for lane in lanes if lane.engine.runtime.test_leak_blocks_per_step]
+    if leaky and not test_settings_allowed():
+        raise ValueError(
+            f"lanes {leaky} set engine.runtime.test_leak_blocks_per_step, a deliberately "
+            "broken engine for tests only: remove it (tests set SPUR_ALLOW_TEST_SETTINGS=1)"
+        )
+
+
 def build_app(config: SpurConfig) -> Application:
     """The Serve application for `config` (not yet running: `serve.run` it)."""
     engines = {}
-    routing = routing_of(config.router)
+    routing = {**routing_of(config.router), "metrics": config.server.metrics}
     lanes: list[LaneConfig | SpareConfig] = list(config.lanes)
     if config.spare is not None:
         lanes.append(config.spare)
+    refuse_test_settings(lanes)
     for lane in lanes:
         engines[lane.name] = _engine_deployment(lane, config.router).bind(
-            engine_args(lane.engine), lane.name, routing
+            engine_args(lane.engine), lane.name, routing, lane_options(lane)
         )
     ingress = serve.deployment(Ingress).options(
         name="ingress",
         num_replicas=config.server.ingress_replicas,
         max_ongoing_requests=4096,
+        # Its streams end when the engines' drains do (the longest lane's grace).
+        graceful_shutdown_timeout_s=max(lane.drain_timeout_s for lane in lanes)
+        + 2 * DRAIN_MARGIN_S,
+        graceful_shutdown_wait_loop_s=0.5,
         # Tokenization and streaming only: no CPU reservation, so that the
         # engines can take every core of a small machine.
         ray_actor_options={"num_cpus": 0, "resources": dict(config.server.ingress_resources)},

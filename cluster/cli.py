@@ -5,6 +5,8 @@
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
     spur bench core|engine|serve|routing [--json]
+    spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
+    spur top --url URL [--once] [--admin-key KEY]
 
 Misuse (an unknown or repeated subcommand, a missing file, a bad value) is a
 one-line error with the usage and exit status 2, never a traceback.
@@ -19,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-COMMANDS = ("serve", "config", "generate", "capacity", "bench")
+COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
 BENCHES = ("core", "engine", "routing", "serve")
 
 
@@ -120,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="paired runs of both arms per level, alternating order; reports the median",
     )
+    serve_b.add_argument(
+        "--baseline-url",
+        default=None,
+        help="compare against this second server over HTTP instead of the offline engine",
+    )
     serve_b.add_argument("--json", action="store_true")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
@@ -151,7 +158,76 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
     )
     engine.add_argument("--json", action="store_true")
+    _observability_parsers(sub)
     return parser
+
+
+def _observability_parsers(sub: Any) -> None:
+    """`spur dashboards ...` and `spur top` (cluster/dashboards.py, grafana.py, top.py)."""
+    dash = sub.add_parser("dashboards", help="Grafana dashboards and alert rules (as code)")
+    dash_sub = dash.add_subparsers(dest="dashboards_command", metavar="ACTION")
+    export = dash_sub.add_parser("export", help="write the dashboards' JSON and alerts.yaml")
+    export.add_argument("dir", help="output folder")
+    push = dash_sub.add_parser("push", help="create or update them in Grafana (grafana-client)")
+    push.add_argument("--grafana-url", required=True, help="e.g. http://grafana:3000")
+    push.add_argument("--token", help="service-account token (or SPUR_GRAFANA_TOKEN)")
+    push.add_argument("--user", help="basic auth user")
+    push.add_argument("--password", help="basic auth password")
+    push.add_argument(
+        "--prometheus-url",
+        default="http://prometheus:9090",
+        help="the data source URL, as Grafana's server reaches Prometheus",
+    )
+    top = sub.add_parser("top", help="live view of a running deployment (rich)")
+    top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY)")
+
+
+def cmd_dashboards(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.dashboards_command == "export":
+        from spur.cluster.dashboards import export
+
+        for path in export(Path(args.dir)):
+            print(path)
+        return 0
+    if args.dashboards_command == "push":
+        from spur.cluster.grafana import PushError, push
+        from spur.configs.env import grafana_token
+
+        try:
+            done = push(
+                args.grafana_url,
+                token=args.token or grafana_token(),
+                user=args.user,
+                password=args.password,
+                prometheus_url=args.prometheus_url,
+            )
+        except PushError as e:
+            print(f"spur: error: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(done))
+        return 0
+    raise UsageError("choose an action: export, push")
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from spur.cluster.top import TopError, run
+    from spur.configs.env import admin_key
+
+    try:
+        return run(
+            args.url,
+            once=args.once,
+            interval_s=args.interval,
+            admin_key=args.admin_key or admin_key(),
+        )
+    except TopError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _load(path: str) -> Any:
@@ -359,6 +435,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 requests_per_level=args.requests,
                 rounds=args.rounds,
+                baseline_url=args.baseline_url,
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
@@ -415,6 +492,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "capacity": cmd_capacity,
     "bench": cmd_bench,
+    "dashboards": cmd_dashboards,
+    "top": cmd_top,
 }
 
 

@@ -53,7 +53,7 @@ def is_retriable(exc: BaseException) -> bool:
     """A failure of the replica rather than of the request: its actor died or is
     unreachable, or its engine died (503)."""
     if isinstance(exc, ProtocolError):
-        return exc.status == 503 and exc.code != "queue_full"
+        return exc.status == 503 and exc.code not in ("queue_full", "shutting_down")
     return any(c.__name__ in REPLICA_GONE for c in type(exc).__mro__)
 
 
@@ -144,7 +144,10 @@ class EngineStream:
                 raise
             return await self._recover(f"{type(exc).__name__}: {exc}")
         if item.get("type") == "error" and item.get("status") == 503 and not self.finished:
-            return await self._recover(item.get("message", "engine failed"))
+            # "draining": the replica was removed on purpose (scale-down, shutdown):
+            # continue elsewhere without counting a failure.
+            planned = item.get("code") == "draining"
+            return await self._recover(item.get("message", "engine failed"), planned=planned)
         if item.get("type") == "final" and self.continuations:
             # A continuation's prompt includes the tokens generated before the
             # break: its cache hits are not hits on the client's prompt.
@@ -153,8 +156,8 @@ class EngineStream:
         self._note(item)
         return item
 
-    async def _recover(self, why: str) -> dict[str, Any]:
-        self.on_event("replica_failed", self.replica_id)
+    async def _recover(self, why: str, *, planned: bool = False) -> dict[str, Any]:
+        self.on_event("drained" if planned else "replica_failed", self.replica_id)
         with contextlib.suppress(Exception):
             self.gen.cancel()
         if self.finished:  # every token arrived; only the summary was lost
@@ -176,7 +179,8 @@ class EngineStream:
             "sampling_params": params,
         }
         payload.pop("block_hashes", None)  # the opener hashes the new prompt
-        self.on_event("failover", self.replica_id)
+        if not planned:
+            self.on_event("failover", self.replica_id)
         try:
             self.gen, first = await self._open(payload)
         except ProtocolError as exc:

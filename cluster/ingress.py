@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from spur.actors.engine.hashing import BlockHasher
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from spur.cluster import metrics as M
 from spur.cluster import protocol as P
 from spur.cluster.errors import (
     ProtocolError,
@@ -34,6 +36,7 @@ from spur.cluster.errors import (
 )
 from spur.cluster.failover import EngineStream
 from spur.cluster.lanes import LaneSelector, LaneView
+from spur.cluster.readiness import CountedStream, health_report, shutting_down
 from spur.cluster.routing.index_actor import get_index, index_kwargs_of
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 NO_REPLICA_TIMEOUT_S = 15.0
 app = FastAPI(title="spur", version=VERSION)
+app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/metrics.py)
 
 
 # -- module helpers ---------------------------------------------------------------------
@@ -115,7 +119,10 @@ def _as_protocol_error(exc: BaseException) -> ProtocolError:
 
 
 def _error_response(exc: ProtocolError) -> Response:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers or None)
+    headers = dict(exc.headers or {})
+    if exc.code:  # read (and removed) by the metrics middleware
+        headers[M.ERROR_CODE_HEADER.decode()] = exc.code
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers or None)
 
 
 class _Lane:
@@ -166,35 +173,66 @@ class Ingress:
         )
         self.index = get_index(index_kwargs_of(router))
         self._monitor: asyncio.Task[None] | None = None
+        self.metrics_on = bool(config["server"].get("metrics", True))
+        M.HTTP.enabled = self.metrics_on
+        self.ingress_id = M.ingress_id()
+        # Readiness and drain (spur.cluster.readiness); requests held per lane while
+        # no engine of it answers yet, bounded by the lane's max_queued_requests.
+        self.draining: str | None = None
+        self.on_spare: Counter[str] = Counter()
+        self.holding: Counter[str] = Counter()
+        self.hold_limit = {name: int(sections[name]["max_queued_requests"]) for name in sections}
+        self._warmer: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # no running loop yet: on first call
+            self._ensure_monitor()
 
     # -- helpers ----------------------------------------------------------------------
     async def _lane(self, model: str | None) -> tuple[str, _Lane]:
+        self._ensure_monitor()
+        if self.draining is not None:
+            raise shutting_down(self.draining)
         name = P.resolve_model(model, self.served)
         lane = self.lanes[self.model_to_lane[name]]
         if lane.tokenizer is None:
-            async with lane.lock:
-                if lane.tokenizer is None:
-                    await self._init_lane(lane)
+            # Cold start: hold the request until an engine of the lane (or its spare)
+            # answers, or the client gives up (its disconnect cancels this wait).
+            if self.holding[lane.name] >= self.hold_limit[lane.name]:
+                raise queue_full(2.0)
+            self.holding[lane.name] += 1
+            try:
+                async with lane.lock:
+                    if lane.tokenizer is None:
+                        await self._init_lane(lane)
+            finally:
+                self.holding[lane.name] -= 1
         return name, lane
 
-    async def _stats(self, name: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    async def _stats(
+        self, name: str, timeout_s: float = 10.0, *, quiet: bool = False
+    ) -> dict[str, Any] | None:
         try:
             return dict(await asyncio.wait_for(self.lanes[name].handle.stats.remote(), timeout_s))
         except Exception as exc:  # no replica up (yet), or it died while answering
-            logger.warning("no stats from %s: %s", name, exc)
+            if not quiet:
+                logger.warning("no stats from %s: %s", name, exc)
             return None
 
     async def _init_lane(self, lane: _Lane) -> None:
         """Learn a lane's model (tokenizer, max_model_len) from its engines, or from
-        its spare when the primaries are down; check that the spare tokenizes the
-        same way (token ids travel between them), else disable its fallback."""
+        its spare when the primaries are down (waiting until one answers, or the
+        server drains); check that the spare tokenizes the same way (token ids
+        travel between them), else disable its fallback."""
         spare = self.selector.spare_of.get(lane.name)
-        stats = await self._stats(lane.name)
-        spare_stats = await self._stats(spare) if spare else None
-        if stats is None and spare_stats is None:
-            raise service_unavailable(
-                f"no engine of lane {lane.name!r} (or its spare) answers yet; retry shortly", 2.0
+        while True:
+            stats, spare_stats = await asyncio.gather(
+                self._stats(lane.name, 5.0, quiet=True),
+                self._stats(spare, 5.0, quiet=True) if spare else asyncio.sleep(0, None),
             )
+            if stats is not None or spare_stats is not None:
+                break
+            if self.draining is not None:
+                raise shutting_down(self.draining)
+            await asyncio.sleep(0.2)
         own = stats or spare_stats
         assert own is not None
         lane.max_model_len = int(own["max_model_len"])
@@ -231,13 +269,34 @@ class Ingress:
         return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
     def _ensure_monitor(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._monitor is None or self._monitor.done():
-            self._monitor = asyncio.get_running_loop().create_task(self._monitor_lanes())
+            self._monitor = loop.create_task(self._monitor_lanes())
+        if self._warmer is None:  # learn every lane's model now: readiness, no cold request
+            self._warmer = loop.create_task(self._warm_lanes())
+
+    async def _warm_lanes(self) -> None:
+        async def warm(lane: _Lane) -> None:
+            with contextlib.suppress(Exception):
+                async with lane.lock:
+                    if lane.tokenizer is None:
+                        await self._init_lane(lane)
+
+        await asyncio.gather(*(warm(self.lanes[name]) for name in self.primaries))
 
     async def _monitor_lanes(self, period_s: float = 0.25) -> None:
-        """Poll the index's health view; move lanes to and from their spare."""
+        """Poll the index's health view; move lanes to and from their spare; push
+        this replica's metrics counters every second."""
+        loop = asyncio.get_running_loop()
+        pushed = 0.0
         while True:
             try:
+                draining = await self.index.report_spare_load.remote(
+                    self.ingress_id, {k: v for k, v in self.on_spare.items() if v > 0}
+                )
+                if draining is not None and self.draining is None:
+                    logger.warning("draining: %s", draining)
+                self.draining = draining
                 counts = await self.index.healthy_counts.remote(list(self.lanes))
                 for name, c in counts.items():
                     self.lanes[name].healthy = c["healthy"]
@@ -246,15 +305,26 @@ class Ingress:
                     for name, c in counts.items()
                     if name in self.primaries
                 }
-                for lane, reason in self.selector.update(views):
-                    self._switched(lane, reason)
+                if self.draining is None:  # replicas leaving on shutdown: no failover
+                    for lane, reason in self.selector.update(views):
+                        self._switched(lane, reason)
+                if self.metrics_on and loop.time() - pushed >= 1.0:
+                    pushed = loop.time()
+                    self.index.push_ingress.remote(
+                        self.ingress_id, M.HTTP.snapshot(), self._lane_states()
+                    )
             except Exception as exc:
                 logger.warning("lane monitor: %s", exc)
             await asyncio.sleep(period_s)
 
+    def _lane_states(self) -> dict[str, Any]:
+        """Per primary lane: its target now, why, and its spare (for /metrics)."""
+        return M.lane_states(self.selector, self.primaries)
+
     def _switched(self, lane: str, reason: str) -> None:
         logger.warning("lane %s now served by %s (%s)", lane, self.selector.target(lane), reason)
         self.index.count.remote(lane, "to_primary" if reason == "primary" else "to_spare")
+        M.count_switch(M.HTTP, self.selector, lane, reason)
 
     def _on_event(self, lane: str) -> Any:
         def on_event(name: str, replica_id: str | None) -> None:  # failover.EngineStream
@@ -298,6 +368,8 @@ class Ingress:
         rejection becomes an HTTP error before any byte is sent)."""
 
         async def open_(payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
+            if attempt and self.draining is not None:  # nowhere to move it to
+                raise shutting_down(self.draining)
             name = self.selector.target(lane.name)
             if name == lane.name and attempt and lane.healthy == 0:
                 # The primaries are gone and the monitor has not switched yet.
@@ -319,6 +391,8 @@ class Ingress:
             gen = target.handle.options(
                 stream=True, _by_reference=self.by_reference
             ).generate.remote(payload)
+            if name != lane.name:  # the lane's demand, for its autoscaling policy
+                gen = CountedStream(gen, self.on_spare, lane.name)
             first_task = asyncio.ensure_future(gen.__anext__())
             try:
                 await self._first_item(lane, name, first_task)
@@ -337,6 +411,8 @@ class Ingress:
                     "the engine closed the stream without answering"
                 ) from None
             if first["type"] == "error":
+                if first.get("code") == "draining":  # planned removal: retried, no failure
+                    raise service_unavailable(first["message"], 1.0)
                 if first.get("status") == 503 and first.get("replica_id"):
                     self.index.report_failure.remote(first["replica_id"])
                 param = first.get("param")
@@ -542,11 +618,42 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        return JSONResponse({"status": "ok"})
+        """Readiness (see spur.cluster.readiness): 503 naming what is missing."""
+        self._ensure_monitor()
+        status, body = health_report(
+            {name: self.lanes[name].tokenizer is not None for name in self.primaries},
+            {name: lane.healthy for name, lane in self.lanes.items()},
+            self.selector.spare_of,
+            self.draining,
+        )
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health/live")
+    async def health_live(self) -> Response:
+        """Liveness: 200 while this process runs."""
+        return JSONResponse({"status": "alive"})
 
     @app.get("/version")
     async def version(self) -> Response:
         return JSONResponse({"version": VERSION})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: every engine, ingress and lane of the deployment
+        (cluster/metrics.py), whichever ingress replica answers."""
+        if not self.metrics_on:
+            return _error_response(
+                ProtocolError(404, "metrics are off (server.metrics: false)", code="not_found")
+            )
+        self._ensure_monitor()
+        try:
+            view = await self.index.metrics_view.remote(
+                list(self.lanes), self.ingress_id, M.HTTP.snapshot(), self._lane_states()
+            )
+        except Exception as exc:
+            return _error_response(service_unavailable(f"the KV index is unavailable ({exc})", 1.0))
+        body = await asyncio.to_thread(M.render, view, self.config)
+        return Response(body, media_type=M.CONTENT_TYPE)
 
     @app.get("/admin/config")
     async def admin_config(self) -> Response:

@@ -1,4 +1,12 @@
-"""Start (or join) Ray, deploy the app, serve until a signal, shut down cleanly."""
+"""Start (or join) Ray, deploy the app, announce it once `/health` says ready, serve
+until a signal, then drain and shut down.
+
+Drain (SIGTERM, Ctrl-C): the KV index's drain flag makes every ingress answer
+`/health` with 503 and refuse new requests (503, code "shutting_down"); then the
+application is deleted: each engine replica finishes its requests within its lane's
+drain_timeout_s and ends the rest with an error item (code "draining"), checks its
+pool, and Serve stops it; the ingress streams end with them. Exit status 0.
+"""
 
 from __future__ import annotations
 
@@ -39,9 +47,65 @@ def start(cfg: SpurConfig) -> str:
             )
         else:
             ray.init(address=server.ray_address, namespace=server.namespace)
+    if server.embedded_ray:
+        # Autoscaling stats reach Serve's controller every second (default 10 s).
+        os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     serve.start(http_options={"host": server.host, "port": server.port})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
     return server.url
+
+
+def wait_ready(
+    url: str, stop_event: threading.Event, *, poll_s: float = 0.5, log_every_s: float = 30.0
+) -> bool:
+    """Poll GET {url}/health until it answers 200 (True) or `stop_event` is set (False);
+    logs what is still missing every `log_every_s`."""
+    import httpx
+
+    last_log = time.monotonic()
+    with httpx.Client(timeout=10.0) as client:
+        while not stop_event.is_set():
+            try:
+                resp = client.get(f"{url}/health")
+                if resp.status_code == 200:
+                    return True
+                detail: Any = resp.text[:300]
+            except httpx.HTTPError as exc:
+                detail = f"{type(exc).__name__}"
+            if time.monotonic() - last_log >= log_every_s:
+                logger.warning("not ready yet: %s", detail)
+                last_log = time.monotonic()
+            stop_event.wait(poll_s)
+    return False
+
+
+def begin_drain(cfg: SpurConfig, reason: str, settle_s: float = 1.0) -> None:
+    """Tell every ingress to stop taking requests (through the KV index's flag) and
+    give them `settle_s` to notice (they poll it four times a second)."""
+    import ray
+
+    from spur.cluster.routing.index_actor import get_index, index_kwargs_of
+
+    try:
+        index = get_index(index_kwargs_of(cfg.router.model_dump()))
+        ray.get(index.set_draining.remote(reason), timeout=10)
+        time.sleep(settle_s)
+    except Exception as exc:  # the index is gone: the deletion below still drains
+        logger.warning("could not flag the drain: %s", exc)
+
+
+def _log_drains() -> None:
+    """Log every engine's drain report (finished, aborted, pool integrity)."""
+    import ray
+
+    from spur.cluster.routing.index_actor import INDEX_NAME, INDEX_NAMESPACE
+
+    try:
+        index = ray.get_actor(INDEX_NAME, namespace=INDEX_NAMESPACE)
+        for report in ray.get(index.drained.remote(), timeout=10):
+            logger.warning("spur drain: %s", report)
+    except Exception as exc:
+        logger.warning("no drain reports: %s", exc)
 
 
 def stop(cfg: SpurConfig) -> None:
@@ -54,6 +118,7 @@ def stop(cfg: SpurConfig) -> None:
 
     try:
         serve.delete(APP_NAME)
+        _log_drains()
         serve.shutdown()
         kill_index()
     finally:
@@ -72,11 +137,15 @@ def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         url = start(cfg)
-        announce(url)
+        if wait_ready(url, stop_event):
+            announce(url)
         while not stop_event.is_set():
-            time.sleep(0.2)
+            stop_event.wait(0.2)
+        begin_drain(cfg, "the server received a stop signal")
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        stop(cfg)
+        try:
+            stop(cfg)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     return 0

@@ -48,3 +48,19 @@ def native_kernels_enabled() -> bool:
 def c_compiler() -> str | None:
     """`CC`, if set: the compiler that builds kernels/native.py's C source."""
     return os.environ.get("CC") or None
+
+
+def test_settings_allowed() -> bool:
+    """`SPUR_ALLOW_TEST_SETTINGS=1`: config fields documented as TESTS ONLY (a
+    deliberately broken engine) are accepted; otherwise `build_app` refuses them."""
+    return os.environ.get("SPUR_ALLOW_TEST_SETTINGS", "") == "1"
+
+
+def admin_key() -> str | None:
+    """`SPUR_ADMIN_KEY`: the admin API key `spur top` sends (--admin-key wins)."""
+    return os.environ.get("SPUR_ADMIN_KEY") or None
+
+
+def grafana_token() -> str | None:
+    """`SPUR_GRAFANA_TOKEN`: the Grafana token `spur dashboards push` uses (--token wins)."""
+    return os.environ.get("SPUR_GRAFANA_TOKEN") or None

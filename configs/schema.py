@@ -308,6 +308,10 @@ class RuntimeConfig(_Section):
     """torch intra-op threads per worker, and the CPUs a TP=1 engine replica reserves
     in Ray (Ray sets OMP_NUM_THREADS to that reservation). Unset: 1 CPU reserved,
     torch's default threads; set it when several engines share a machine."""
+    test_leak_blocks_per_step: int = Field(0, ge=0, le=64)
+    """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
+    request at every step, as a retirement bug would (the leak metrics and alerts are
+    tested with it). Refused unless SPUR_ALLOW_TEST_SETTINGS=1; keep it 0."""
 
 
 class EngineConfig(_Section):
@@ -371,6 +375,26 @@ class AutoscalingConfig(_Section):
     """Replicas the lane never goes below (at least 1: a lane always serves)."""
     max_replicas: int = Field(ge=1, le=1024)
     """Replicas the lane never goes above; each needs its own node."""
+    upscale_delay_s: float = Field(10.0, ge=0, le=3600)
+    """Seconds the policy must keep asking for more replicas before Serve adds them
+    (avoids flapping on a burst). A new replica then needs one engine start."""
+    downscale_delay_s: float = Field(60.0, ge=0, le=86_400)
+    """Seconds the policy must keep asking for fewer replicas before Serve removes one
+    (it drains within drain_timeout_s; its node goes when the node is idle)."""
+    look_back_period_s: float = Field(12.0, gt=0.5, le=3600)
+    """Window over which Serve averages each replica's reported stats before the
+    policy sees them (Serve wants it above its 10 s metrics interval)."""
+    target_ongoing_requests: float = Field(16.0, gt=0, le=100_000)
+    """Running plus waiting requests per replica the lane aims for, counting the
+    lane's requests on its spare as its own demand. Around scheduler.max_num_seqs."""
+    waiting_per_replica_high: float = Field(2.0, ge=0, le=100_000)
+    """Mean waiting (queued, unscheduled) requests per replica above which the lane
+    asks for one more replica, whatever target_ongoing_requests says."""
+    kv_usage_high: float = Field(0.9, gt=0, le=1)
+    """Mean KV-pool usage above which the lane asks for one more replica (KV pressure
+    means preemptions soon)."""
+    kv_usage_low: float = Field(0.5, ge=0, le=1)
+    """The lane only scales down while mean KV usage is below this and nothing waits."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:
@@ -378,6 +402,11 @@ class AutoscalingConfig(_Section):
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) is below min_replicas "
                 f"({self.min_replicas}): raise max_replicas or lower min_replicas"
+            )
+        if self.kv_usage_low >= self.kv_usage_high:
+            raise ValueError(
+                f"kv_usage_low ({self.kv_usage_low}) must be below kv_usage_high "
+                f"({self.kv_usage_high}): lower kv_usage_low"
             )
         return self
 
@@ -543,6 +572,10 @@ class ServerConfig(_Section):
     the ingress and the proxy (BENCHMARKS.md). An embedded Ray sets
     RAY_SERVE_PROXY_USE_GRPC=1 for the proxy; on a joined cluster the second hop
     uses gRPC only where that variable is in the nodes' environment."""
+    metrics: bool = True
+    """Prometheus metrics at GET /metrics on the API port (vLLM's names plus spur's):
+    engines and ingress replicas push their counters to the KV index actor every
+    second. false: engines keep no statistics and /metrics answers 404."""
 
     @property
     def embedded_ray(self) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
+from spur.actors.engine.metrics import EngineMetrics, break_retirement, engine_info
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -29,18 +30,53 @@ from spur.actors.engine.scheduler import RequestRejected
 logger = logging.getLogger(__name__)
 
 
+DRAIN_CODE = "draining"
+"""`code` of the error item a draining replica ends (or refuses) a request with: the
+ingress continues the request on another replica when one serves, or reports it."""
+
+
+class Draining(Exception):
+    """Ends a request's stream when its replica is removed (planned) before it finished."""
+
+
 class EngineReplica:
     """One engine. `engine_args` are `spur.actors.builder.EngineArgs` fields;
     `routing` (optional) connects it to the deployment's KV index:
-    {"index_kwargs": {...}, "stats_period_s": float, "events_period_s": float}."""
+    {"index_kwargs": {...}, "stats_period_s": float, "events_period_s": float};
+    `options` (optional): {"drain_timeout_s": float, "autoscaling_targets": {...}}
+    (`spur.cluster.app.lane_options`).
+
+    Drain: when Serve stops the replica (scale-down, `serve.delete` on shutdown) it
+    takes no new request, lets the running ones finish for drain_timeout_s, then ends
+    the rest with an error item (code "draining") and checks the pool's integrity; it
+    leaves the KV index at once (its hashes dropped, not counted as a failure)."""
 
     def __init__(
-        self, engine_args: dict[str, Any], lane: str, routing: dict[str, Any] | None = None
+        self,
+        engine_args: dict[str, Any],
+        lane: str,
+        routing: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
 
         self.lane = lane
         self.routing = routing
+        engine_args = dict(engine_args)
+        # Tests only (engine.runtime.test_leak_blocks_per_step; build_app refuses it
+        # outside tests): a deliberately broken retirement, for the leak metrics.
+        test_leak = int(engine_args.pop("test_leak_blocks_per_step", 0) or 0)
+        self.metrics_on = bool((routing or {}).get("metrics", True))
+        options = options or {}
+        self.drain_timeout_s = float(options.get("drain_timeout_s", 30.0))
+        self.autoscaling_targets = dict(options.get("autoscaling_targets") or {})
+        self.draining_since: float | None = None
+        self.drain_report: dict[str, Any] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._spare_demand = 0.0
+        self._tokens = 0
+        self._rate: tuple[float, int] = (time.monotonic(), 0)
+        self._tokens_per_s = 0.0
         self.node = socket.gethostname()
         self.pid = os.getpid()
         self.index: Any = None
@@ -69,6 +105,8 @@ class EngineReplica:
                 kwargs["executor_factory"] = factory
             built = _in_own_thread(lambda: build_engine(self.args, **kwargs))
             self.built = built
+            if test_leak:
+                break_retirement(built.scheduler.kv, test_leak)
             self.tokenizer = load_tokenizer(built.info.model_dir)
         except BaseException as exc:
             if self.index is not None:  # counted: a restart loop marks this node down
@@ -95,16 +133,84 @@ class EngineReplica:
         # that loop), with the KV-event publisher when routing is on.
         if self.engine is None:
             threads = self.args.num_threads if self.args.tensor_parallel_size == 1 else None
+            metrics = None
+            if self.metrics_on:
+                sched = self.built.scheduler
+                metrics = EngineMetrics(
+                    max_model_len=sched.config.max_model_len,
+                    info=engine_info(sched.kv.config, sched.config, self.args),
+                )
             self.engine = AsyncEngine(
                 self.built.core,
                 self.tokenizer,
                 eos_token_id=self.built.info.eos_token_id,
                 vocab_size=self.built.info.vocab_size,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
+                metrics=metrics,
             )
             if self.index is not None:
                 self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_shutdown())
         return self.engine
+
+    # -- drain ----------------------------------------------------------------------------
+    async def _watch_shutdown(self, period_s: float = 0.1) -> None:
+        """Start the drain as soon as Serve begins this replica's graceful shutdown."""
+        while self.draining_since is None:
+            if _serve_shutting_down():
+                await self.drain()
+                return
+            await asyncio.sleep(period_s)
+
+    async def drain(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Stop taking requests, leave the KV index, wait up to `timeout_s` (default:
+        drain_timeout_s) for the open requests, end the rest with a "draining" error,
+        then check the pool. Idempotent; returns the report (also logged):
+        {"finished", "aborted", "integrity", "num_free_blocks", "num_blocks"}."""
+        if self.drain_report is not None:
+            return self.drain_report
+        engine = self._engine()
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+        timeout = self.drain_timeout_s if timeout_s is None else timeout_s
+        if self.index is not None:
+            with contextlib.suppress(Exception):
+                self.index.leave.remote(self.replica_id)
+        at_start = set(engine.request_ids)
+        deadline = self.draining_since + timeout
+        while engine.request_ids and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = engine.request_ids
+        for rid in left:
+            engine.fail(
+                rid,
+                Draining(
+                    f"this replica of lane {self.lane!r} was removed (shutdown or scale-down) "
+                    f"and its drain_timeout_s ({timeout:g} s) passed before the request "
+                    "finished: it was aborted; retry it"
+                ),
+            )
+        report: dict[str, Any] = {
+            "replica_id": self.replica_id,
+            "finished": len(at_start - set(left)),
+            "aborted": len(left),
+        }
+        # Aborts return the blocks within a step; the check runs between steps.
+        check_deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                report.update(await engine.check_integrity(), integrity="ok")
+            except AssertionError as exc:
+                report["integrity"] = f"FAILED: {exc}"
+            if report.get("num_requests", 1) == 0 or time.monotonic() > check_deadline:
+                break
+            await asyncio.sleep(0.05)
+        self.drain_report = report
+        logger.warning("spur drain: %s", report)
+        if self.index is not None:
+            with contextlib.suppress(Exception):
+                await self.index.record_drain.remote({**report, "lane": self.lane})
+        return report
 
     async def _publish_loop(self) -> None:
         """Push KV event batches every events_period_s, and a heartbeat with the
@@ -114,17 +220,28 @@ class EngineReplica:
         engine = self.engine
         events_period = float(self.routing.get("events_period_s", 0.05))
         stats_period = float(self.routing.get("stats_period_s", 1.0))
-        last = 0.0
+        metrics_period = min(stats_period, 1.0)
+        last = last_metrics = 0.0
         warned = False
         while True:
             await asyncio.sleep(events_period)
             batches = engine.take_kv_batches()
             now = time.monotonic()
-            if not batches and now - last < stats_period:
+            if not batches and now - last < stats_period and now - last_metrics < metrics_period:
                 continue
+            if self.draining_since is not None:
+                return  # left the index: nothing more to tell it
+            snapshot = None
+            if engine.metrics is not None and now - last_metrics >= metrics_period:
+                snapshot = engine.metrics.snapshot()
             try:
-                answer = await self.index.publish.remote(self.replica_id, batches, engine.stats())
+                answer = await self.index.publish.remote(
+                    self.replica_id, batches, engine.stats(), snapshot
+                )
+                self._spare_demand = float(answer.get("spare_demand", 0.0))
                 last = now
+                if snapshot is not None:
+                    last_metrics = now
                 for command in answer["commands"]:
                     if command == "reset_prefix_cache":
                         await engine.reset_prefix_cache()
@@ -146,6 +263,16 @@ class EngineReplica:
         cache_salt. Yields {"type": "delta", ...} items, then {"type": "final"}
         or a single {"type": "error", "status", "message", "param"}."""
         engine = self._engine()
+        if self.draining_since is not None:
+            yield {
+                "type": "error",
+                "status": 503,
+                "code": DRAIN_CODE,
+                "message": f"this replica of lane {self.lane!r} is draining; retry",
+                "param": None,
+                "replica_id": self.replica_id,
+            }
+            return
         try:
             params = SamplingParams(**payload.get("sampling_params", {}))
             stream = engine.generate(
@@ -159,6 +286,7 @@ class EngineReplica:
             first = True
             async for item in stream:
                 if isinstance(item, Delta):
+                    self._tokens += len(item.token_ids)
                     out = {"type": "delta", **_delta_dict(item)}
                     if first:  # lets the caller report a replica that dies mid-stream
                         out["replica_id"] = self.replica_id
@@ -170,6 +298,15 @@ class EngineReplica:
             yield {"type": "error", "status": 400, "message": str(exc), "param": exc.param}
         except RequestRejected as exc:
             yield {"type": "error", "status": 400, "message": str(exc), "param": "prompt"}
+        except Draining as exc:  # planned: the caller continues elsewhere, no failure
+            yield {
+                "type": "error",
+                "status": 503,
+                "code": DRAIN_CODE,
+                "message": str(exc),
+                "param": None,
+                "replica_id": self.replica_id,
+            }
         except EngineDeadError as exc:  # the caller retries elsewhere and reports us
             yield {
                 "type": "error",
@@ -192,6 +329,27 @@ class EngineReplica:
             **engine.stats(),
         }
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Serve every few seconds for the autoscaling policy
+        (`spur.cluster.autoscaling`): this replica's waiting and running requests, KV
+        usage, generated tokens/s, the lane's requests on its spare (from the KV index)
+        and the lane's targets."""
+        engine = self._engine()
+        stats = engine.stats()
+        now = time.monotonic()
+        since, tokens = self._rate
+        if now - since >= 1.0:
+            self._tokens_per_s = (self._tokens - tokens) / (now - since)
+            self._rate = (now, self._tokens)
+        return {
+            "waiting": float(stats["num_waiting"]),
+            "running": float(stats["num_running"]),
+            "kv_usage": float(stats["kv_usage"]),
+            "tokens_per_s": float(self._tokens_per_s),
+            "spare_demand": float(self._spare_demand),
+            **self.autoscaling_targets,
+        }
+
     async def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (done by the engine thread, between steps)."""
         await self._engine().reset_prefix_cache()
@@ -204,6 +362,22 @@ class EngineReplica:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # already gone at interpreter exit
             self.built.shutdown()
+
+
+def _serve_shutting_down() -> bool:
+    """True once Ray Serve has begun this replica's graceful shutdown (it was scaled
+    down or its application deleted). Serve offers no hook for that to user code; its
+    replica actor's `_replica_impl._shutting_down` flag is read (False outside Serve)."""
+    try:
+        import ray
+
+        actor_id = ray.get_runtime_context().get_actor_id()
+        actors = ray._private.worker.global_worker.actors
+        actor = next((a for k, a in actors.items() if k.hex() == actor_id), None)
+        impl = getattr(actor, "_replica_impl", None)
+        return bool(getattr(impl, "_shutting_down", False))
+    except Exception:
+        return False
 
 
 def _set_torch_threads(n: int) -> None:

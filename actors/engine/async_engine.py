@@ -26,6 +26,7 @@ from typing import Any
 
 from spur.actors.engine.block_pool import AllBlocksCleared, BlockStored, KVEvent
 from spur.actors.engine.core import EngineCore
+from spur.actors.engine.metrics import EngineMetrics
 from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
@@ -64,7 +65,12 @@ class _Snapshot:
     done: asyncio.Future[tuple[int, list[bytes]]]
 
 
-_Command = _Add | _Abort | _ResetPrefixCache | _Snapshot
+@dataclass
+class _CheckIntegrity:
+    done: asyncio.Future[dict[str, int]]
+
+
+_Command = _Add | _Abort | _ResetPrefixCache | _Snapshot | _CheckIntegrity
 
 
 def event_batch(seq: int, events: list[KVEvent], group_id: int = 0) -> dict[str, Any]:
@@ -106,8 +112,10 @@ class AsyncEngine:
         vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
         on_thread_start: Callable[[], None] | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.core = core
+        self.metrics = metrics  # fed on the engine thread (None: metrics off)
         self.scheduler = core.scheduler
         self.processor = OutputProcessor(tokenizer)
         self.eos_token_id = eos_token_id
@@ -193,6 +201,30 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests whose stream is open (event loop thread)."""
+        return list(self._streams)
+
+    def fail(self, request_id: str, exc: Exception) -> bool:
+        """End an open request's stream with `exc` (its `generate` raises it) and abort
+        the request: its blocks return to the pool within one step. Call from the event
+        loop thread. Returns False when the request has no open stream."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.put_nowait(exc)
+        self._inbox.put(_Abort(request_id))
+        return True
+
+    async def check_integrity(self) -> dict[str, int]:
+        """Run the scheduler's and the KV pool's `check_integrity()` on the engine thread
+        (between steps). Returns {"num_requests", "num_free_blocks", "num_blocks"};
+        raises AssertionError (from the check) when the bookkeeping is broken."""
+        done: asyncio.Future[dict[str, int]] = self._loop.create_future()
+        self._inbox.put(_CheckIntegrity(done))
+        return await done
+
     async def reset_prefix_cache(self) -> None:
         """Forget every cached block hash, on the engine thread (between steps)."""
         done: asyncio.Future[None] = self._loop.create_future()
@@ -254,10 +286,25 @@ class AsyncEngine:
             hashes = list(sched.kv.pool.cached[0]) if sched.kv.pool.cached else []
             self._loop.call_soon_threadsafe(cmd.done.set_result, (self._next_seq - 1, hashes))
             return
+        if isinstance(cmd, _CheckIntegrity):
+            try:
+                sched.check_integrity()
+                report = {
+                    "num_requests": len(sched.requests),
+                    "num_free_blocks": sched.kv.num_free_blocks,
+                    "num_blocks": sched.kv.pool.num_blocks,
+                }
+            except Exception as exc:  # reported to the caller, the engine goes on
+                self._loop.call_soon_threadsafe(cmd.done.set_exception, exc)
+            else:
+                self._loop.call_soon_threadsafe(cmd.done.set_result, report)
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
                 sched.abort_requests(cmd.request_id)
                 self.processor.abort(cmd.request_id)
+                if self.metrics is not None:
+                    self.metrics.on_abort(cmd.request_id)
             return
         try:
             request = sched.make_request(
@@ -273,6 +320,8 @@ class AsyncEngine:
             self._send(cmd.request_id, exc)
             return
         self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params)
+        if self.metrics is not None:
+            self.metrics.on_add(cmd.request_id, len(cmd.prompt_token_ids))
 
     def _run(self) -> None:
         try:
@@ -316,6 +365,10 @@ class AsyncEngine:
         update = self.processor.process(outputs)
         if update.to_finish:
             self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
+        if self.metrics is not None:
+            self.metrics.on_step(outputs, stats, self.scheduler)
+            for rid in update.to_finish:
+                self.metrics.finish(rid, "stop")
         # One hand-over per step, not one per request: each wakes the event loop
         # thread, which then competes with this thread's forward for the GIL.
         items: list[Delta | RequestOutput] = [*update.deltas, *update.finished]

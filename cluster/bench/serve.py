@@ -199,8 +199,11 @@ def _level(
     work: list[tuple[str, int]],
     concurrency: int,
     rounds: int,
+    baseline_url: str | None = None,
 ) -> dict[str, Any]:
-    """`rounds` paired runs of both arms, the order alternating between rounds."""
+    """`rounds` paired runs of both arms, the order alternating between rounds.
+    With `baseline_url`, the second arm is that server over HTTP (same lane and
+    workload) instead of the offline engine: e.g. metrics on vs off."""
     pairs = []
     for r in range(rounds):
         arms: dict[str, dict[str, Any]] = {}
@@ -208,6 +211,9 @@ def _level(
             if arm == "serve":
                 _reset_prefix_cache(url, lane)
                 arms[arm] = asyncio.run(_http_level(url, served, work, concurrency))
+            elif baseline_url is not None:
+                _reset_prefix_cache(baseline_url, lane)
+                arms[arm] = asyncio.run(_http_level(baseline_url, served, work, concurrency))
             else:
                 arms[arm] = _offline_level(args, work, concurrency)
         pairs.append({**arms, "serve_over_offline": _ratio(arms["serve"], arms["offline"])})
@@ -231,7 +237,10 @@ def run(
     seed: int = 0,
     requests_per_level: int | None = None,
     rounds: int = 3,
+    baseline_url: str | None = None,
 ) -> dict[str, Any]:
+    """With `baseline_url` the "offline" arm is that server (its numbers are under
+    "offline" and the ratios are url over baseline_url)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     url = url.rstrip("/")
@@ -240,17 +249,21 @@ def run(
     # pay one-off costs (first calls into torch, Serve's routing) that are not
     # the Serve path's steady cost.
     asyncio.run(_http_level(url, served, [("warm up the engine", 4)] * 2, 2))
+    if baseline_url is not None:
+        baseline_url = baseline_url.rstrip("/")
+        asyncio.run(_http_level(baseline_url, served, [("warm up the engine", 4)] * 2, 2))
     levels = []
     for c in concurrencies:
         n = requests_per_level or max(8, 2 * c)
         work = make_workload(n, seed + c)
-        levels.append(_level(url, served, lane, args, work, c, rounds))
+        levels.append(_level(url, served, lane, args, work, c, rounds, baseline_url))
     result: dict[str, Any] = {
         "bench": "serve",
         "url": url,
         "model": served,
         "seed": seed,
         "rounds": rounds,
+        "baseline_url": baseline_url,
         "levels": levels,
     }
     at32 = [lv["serve_over_offline"] for lv in levels if lv["serve"]["concurrency"] == 32]

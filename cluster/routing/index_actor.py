@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from spur.cluster.metrics import MetricsStore
 from spur.cluster.routing.kv_index import BlockHash, KVIndex
 from spur.cluster.routing.policy import Candidate, Weights, choose
 
@@ -39,6 +40,10 @@ class KVIndexActor:
         self.counters: Counter[tuple[str, str]] = Counter()
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
+        self.store = MetricsStore()
+        self.draining: str | None = None
+        self.drain_reports: list[dict[str, Any]] = []
+        self.spare_loads: dict[str, tuple[float, dict[str, int]]] = {}
 
     # -- engines ----------------------------------------------------------------------------
     def register(
@@ -50,12 +55,20 @@ class KVIndexActor:
         self.index.start_failed(lane, node, error)
 
     def publish(
-        self, replica_id: str, batches: list[dict[str, Any]], stats: dict[str, Any]
+        self,
+        replica_id: str,
+        batches: list[dict[str, Any]],
+        stats: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Apply a replica's batches in order (and its heartbeat). Answers
+        """Apply a replica's batches in order (and its heartbeat; `metrics`, when
+        given, is its cumulative metrics snapshot for /metrics). Answers
         {"resync": the replica must send a snapshot, "commands": admin commands
         queued for it, e.g. "reset_prefix_cache"}."""
         need = False
+        state = self.index.replicas.get(replica_id)
+        if metrics is not None and state is not None:
+            self.store.update_engine(replica_id, state.lane, metrics)
         if not batches:
             need = self.index.publish(replica_id, -1, stats=stats)
         for b in batches:
@@ -70,7 +83,50 @@ class KVIndexActor:
             )
             if need:
                 break
-        return {"resync": need, "commands": self.commands.pop(replica_id, [])}
+        state = self.index.replicas.get(replica_id)
+        return {
+            "resync": need,
+            "commands": self.commands.pop(replica_id, []),
+            "spare_demand": self.spare_demand(state.lane) if state is not None else 0,
+        }
+
+    def leave(self, replica_id: str) -> bool:
+        """A planned removal (drain): the replica and its hashes leave the index now;
+        not a failure (see KVIndex.leave)."""
+        state = self.index.replicas.get(replica_id)
+        left = self.index.leave(replica_id)
+        if state is not None:
+            self.counters[(state.lane, "planned_leave")] += 1
+        return left
+
+    # -- drain and spare demand (ingress side) ----------------------------------------------
+    def set_draining(self, reason: str | None) -> None:
+        """The deployment is shutting down (`spur serve` got SIGTERM / Ctrl-C): every
+        ingress answers /health with 503 and refuses new requests. None: clear."""
+        self.draining = reason
+
+    def record_drain(self, report: dict[str, Any]) -> None:
+        """A replica finished its drain (EngineReplica.drain's report)."""
+        self.drain_reports = [*self.drain_reports[-999:], dict(report)]
+
+    def drained(self) -> list[dict[str, Any]]:
+        """The drain reports so far (`spur serve` logs them before it exits)."""
+        return list(self.drain_reports)
+
+    def report_spare_load(self, ingress_id: str, loads: dict[str, int]) -> str | None:
+        """An ingress's requests in flight on the spare, per lane they belong to (the
+        autoscaling policy counts them as that lane's demand). Answers the drain
+        reason (None while serving), so that the ingress polls both in one call."""
+        self.spare_loads[ingress_id] = (self.index.clock(), dict(loads))
+        return self.draining
+
+    def spare_demand(self, lane: str, fresh_s: float = 10.0) -> int:
+        """The lane's requests in flight on its spare, over the ingresses that reported
+        within `fresh_s`."""
+        now = self.index.clock()
+        return sum(
+            loads.get(lane, 0) for at, loads in self.spare_loads.values() if now - at <= fresh_s
+        )
 
     def queue_command(self, command: str, lane: str | None, replica_id: str | None) -> list[str]:
         """Queue an admin command for the replicas of `lane` (all lanes: None), or one
@@ -178,6 +234,43 @@ class KVIndexActor:
 
     def lanes(self, lanes: list[str]) -> dict[str, Any]:
         return {lane: self.index.lane_report(lane) for lane in lanes}
+
+    # -- metrics ----------------------------------------------------------------------------
+    def push_ingress(
+        self, ingress_id: str, counters: dict[str, Any], lanes: dict[str, Any] | None = None
+    ) -> None:
+        """An ingress replica's cumulative HTTP / failover counters and lane states."""
+        self.store.update_ingress(ingress_id, counters, lanes)
+
+    def metrics_view(
+        self,
+        lanes: list[str],
+        ingress_id: str | None = None,
+        counters: dict[str, Any] | None = None,
+        lane_states: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Everything /metrics renders (spur.cluster.metrics.render), after taking
+        the caller's own latest counters: engines' snapshots, HTTP totals, lane
+        states, routing counters, replica health and start-failure slots."""
+        if ingress_id is not None and counters is not None:
+            self.store.update_ingress(ingress_id, counters, lane_states)
+        now = self.index.clock()
+        slots = [
+            {
+                "lane": lane,
+                "node": node,
+                "start_failures": slot.start_failures,
+                "restarts": slot.restarts,
+                "down": self.index.slot_down(lane, node, now),
+            }
+            for (lane, node), slot in sorted(self.index.slots.items())
+        ]
+        return {
+            "store": self.store.view(),
+            "routing": self.metrics(),
+            "lanes": self.lanes(lanes),
+            "slots": slots,
+        }
 
     def metrics(self) -> dict[str, Any]:
         """Routing metrics, JSON-safe (exported as Prometheus metrics later)."""

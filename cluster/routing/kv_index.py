@@ -83,6 +83,8 @@ class _Slot:
 
     failures: deque[float] = field(default_factory=deque)
     restarts: int = 0
+    start_failures: int = 0
+    """Every start failure ever (a counter for metrics; `failures` is the window)."""
     last_replica: str | None = None
     last_error: str | None = None
 
@@ -148,6 +150,7 @@ class KVIndex:
         slot = self.slots.setdefault((lane, node), _Slot())
         slot.failures.append(now)
         slot.restarts += 1
+        slot.start_failures += 1
         slot.last_error = error[-500:]
         while slot.failures and slot.failures[0] < now - self.restart_window_s:
             slot.failures.popleft()
@@ -269,6 +272,19 @@ class KVIndex:
     def drop(self, replica_id: str) -> None:
         """Forget a replica (its actor is gone): its events and hashes go with it."""
         self.replicas.pop(replica_id, None)
+
+    def leave(self, replica_id: str) -> bool:
+        """A planned removal (scale-down, shutdown): forget the replica and its hashes
+        at once (no request is routed to it for a prefix any more), and free its slot
+        so that a later replica on the same node is not counted as a restart. Returns
+        False for an unknown replica."""
+        state = self.replicas.pop(replica_id, None)
+        if state is None:
+            return False
+        slot = self.slots.get((state.lane, state.node))
+        if slot is not None and slot.last_replica == replica_id:
+            slot.last_replica = None
+        return True
 
     # -- health ---------------------------------------------------------------------------
     def _alive(self, state: ReplicaState, now: float) -> bool:

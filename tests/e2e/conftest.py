@@ -378,3 +378,80 @@ def http(spur_server: SpurServer) -> Iterator[Any]:
 
     with httpx.Client(base_url=spur_server.url, timeout=120.0) as client:
         yield client
+
+
+# -- servers of one test module (readiness, drain) --------------------------------------
+@dataclass
+class Launched:
+    """A `spur serve` started by `launch_server`: its process, log and URL (known
+    before it is ready: the port is chosen by the test)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+    ray_tmpdir: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def tiny_lane(model_dir: Path, name: str, **extra: Any) -> dict[str, Any]:
+    """One lane of the tiny model, TP=1."""
+    return {
+        "name": name,
+        "served_model_names": [name],
+        "engine": _tiny_engine(model_dir),
+        "max_ongoing_requests": 32,
+        "max_queued_requests": 64,
+        **extra,
+    }
+
+
+@pytest.fixture
+def launch_server(tmp_path: Path) -> Iterator[Any]:
+    """launch(lanes) -> Launched: `spur serve` with these lanes on a free port, in its
+    own session and RAY_TMPDIR, not waited for. Whatever is still running at teardown
+    is stopped like `stop_server` does; leftovers fail the test."""
+    launched: list[Launched] = []
+
+    def launch(lanes: list[dict[str, Any]], **server: Any) -> Launched:
+        port = free_port()
+        data = {
+            "version": 1,
+            "lanes": lanes,
+            "server": {
+                "host": "127.0.0.1",
+                "port": port,
+                "num_cpus": 8,
+                "object_store_memory": "200MiB",
+                **server,
+            },
+        }
+        work = tmp_path / f"server-{len(launched)}"
+        work.mkdir()
+        config_path = work / "spur.yaml"
+        config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        log_path = work / "serve.log"
+        ray_tmpdir = Path(tempfile.mkdtemp(prefix="spur-t-", dir="/tmp"))
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "spur.cluster.cli", "serve", str(config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=server_env(ray_tmpdir),
+                cwd=work,
+                start_new_session=True,
+            )
+        out = Launched(proc, f"http://127.0.0.1:{port}", log_path, ray_tmpdir)
+        launched.append(out)
+        return out
+
+    yield launch
+    problems = []
+    for srv in launched:
+        problems += stop_server(srv.proc, srv.ray_tmpdir)
+        shutil.rmtree(srv.ray_tmpdir, ignore_errors=True)
+    assert not problems, (
+        "\n".join(problems) + "\n" + (launched[-1].log()[-4000:] if launched else "")
+    )

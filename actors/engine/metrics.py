@@ -1,0 +1,385 @@
+"""Engine-side statistics for Prometheus, under vLLM's names (pure Python).
+
+The engine thread feeds one `EngineMetrics` per engine:
+
+    on_add(req_id, num_prompt_tokens)      a request entered the engine
+    on_step(outputs, stats, scheduler)     after every EngineCore.step()
+    on_abort(req_id)                       a request left without finishing
+
+and the replica's publisher takes `snapshot()` (cumulative counters, histogram
+buckets, gauges; JSON-safe) every stats period and pushes it to the cluster's
+metrics store (`spur.cluster.metrics`), which renders every engine's snapshot
+with its labels. Counters and buckets only ever grow for the life of the
+engine, so a snapshot that is lost or sent twice changes nothing.
+
+Request phases follow vLLM's definitions (`vllm/v1/metrics/stats.py`):
+
+    arrival ── queued ── scheduled ── prefill ── first token ── decode ── finished
+    |<--------------------------- e2e -------------------------------------->|
+               |<-queue->|<---------------------- inference ---------------->|
+                         |<---- prefill ---->|<----------- decode ---------->|
+
+Capacity truth, per KV group (`capacity_view`): the blocks the running requests
+hold now against the blocks the capacity formula (`spec.max_blocks`, the one
+`spur capacity` uses) says they should hold. Their ratio is 1 for a correct
+engine; a retirement bug that keeps blocks past their use shows as a ratio
+above 1 within one request, long before the pool runs dry.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# -- vLLM 0.33's default buckets (vllm/v1/metrics/loggers.py) ---------------------------
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+_REQ = REQUEST_LATENCY_BUCKETS
+_TOK = TOKEN_LATENCY_BUCKETS
+# name -> (buckets, or "tokens" for the per-engine 1-2-5 token buckets; help text)
+HISTOGRAMS: dict[str, tuple[Sequence[float] | str, str]] = {
+    "vllm:time_to_first_token_seconds": (TTFT_BUCKETS, "Time to first token in seconds."),
+    "vllm:inter_token_latency_seconds": (_TOK, "Inter-token latency in seconds."),
+    "vllm:request_time_per_output_token_seconds": (_TOK, "Time per output token per request."),
+    "vllm:e2e_request_latency_seconds": (_REQ, "End-to-end request latency in seconds."),
+    "vllm:request_queue_time_seconds": (_REQ, "Time spent in WAITING phase for request."),
+    "vllm:request_inference_time_seconds": (_REQ, "Time spent in RUNNING phase for request."),
+    "vllm:request_prefill_time_seconds": (_REQ, "Time spent in PREFILL phase for request."),
+    "vllm:request_decode_time_seconds": (_REQ, "Time spent in DECODE phase for request."),
+    "vllm:request_prompt_tokens": ("tokens", "Number of prefill tokens processed."),
+    "vllm:request_generation_tokens": ("tokens", "Number of generation tokens processed."),
+    "vllm:iteration_tokens_total": (ITERATION_TOKEN_BUCKETS, "Number of tokens per engine_step."),
+}
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Histogram:
+    """Cumulative histogram: per-bucket counts (not yet cumulated), sum, count."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"buckets": upper bounds, "cumulative": counts per bound then +Inf, sum, count}."""
+        cumulative, total = [], 0
+        for c in self.counts:
+            total += c
+            cumulative.append(total)
+        return {
+            "buckets": list(self.buckets),
+            "cumulative": cumulative,
+            "sum": self.sum,
+            "count": self.count,
+        }
+
+
+@dataclass
+class _Timing:
+    """One request's timestamps (monotonic seconds) and token counts."""
+
+    arrival: float
+    num_prompt_tokens: int
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+
+@dataclass(frozen=True)
+class GroupCapacity:
+    """One KV group right now: blocks held by running requests and the blocks the
+    capacity formula gives those requests (each counted per holder)."""
+
+    group_id: int
+    kind: str
+    held: int
+    geometry: int
+    worst: float = 1.0
+    """The highest held/geometry of any one running request (1 when none runs)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.held / self.geometry if self.geometry else 1.0
+
+
+def capacity_view(kv: Any, running: Iterable[Any]) -> list[GroupCapacity]:
+    """Per group of `kv` (a KVCacheManager): held vs geometry over `running`
+    requests. Reads the manager's tables: call on the engine thread."""
+    bs, chunk = kv.block_size, kv.max_chunk
+    held = [0] * len(kv.managers)
+    geometry = [0] * len(kv.managers)
+    worst = [1.0] * len(kv.managers)
+    slots_of = kv._slots
+    for req in running:
+        rid = req.request_id
+        slots = slots_of.get(rid)
+        if slots is None:
+            continue
+        for g, manager in enumerate(kv.managers):
+            h = manager.num_held(rid)
+            bound = manager.spec.max_blocks(slots, bs, chunk)
+            held[g] += h
+            geometry[g] += bound
+            if bound and h / bound > worst[g]:
+                worst[g] = h / bound
+    return [
+        GroupCapacity(g, m.spec.kind, held[g], geometry[g], worst[g])
+        for g, m in enumerate(kv.managers)
+    ]
+
+
+class EngineMetrics:
+    """Cumulative per-engine statistics (see the module docstring). Not
+    thread-safe: the engine thread writes; `snapshot()` copies under the GIL
+    (each value is read whole; a snapshot may straddle one step)."""
+
+    def __init__(
+        self,
+        *,
+        max_model_len: int,
+        info: dict[str, Any] | None = None,
+        capacity_period_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.info = dict(info or {})
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.histograms = {
+            name: Histogram(tuple(token_buckets if b == "tokens" else b))  # type: ignore[arg-type]
+            for name, (b, _) in HISTOGRAMS.items()
+        }
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.request_success = dict.fromkeys(FINISH_REASONS, 0)
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.leak_violations = 0
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.capacity: list[GroupCapacity] = []
+        self.peak_ratio: list[float] = []
+        self.capacity_period_s = capacity_period_s
+        self._last_capacity = -1e9
+        self._requests: dict[str, _Timing] = {}
+
+    # -- engine thread ----------------------------------------------------------------
+    def on_add(self, req_id: str, num_prompt_tokens: int) -> None:
+        self._requests[req_id] = _Timing(self.clock(), num_prompt_tokens)
+
+    def on_abort(self, req_id: str) -> None:
+        """A request aborted by its caller (client gone): no longer tracked; counted
+        as finished_reason "abort" only if it had started (vLLM counts aborts)."""
+        t = self._requests.pop(req_id, None)
+        if t is not None:
+            self.request_success["abort"] += 1
+
+    def on_step(self, outputs: Sequence[Any], stats: Any, scheduler: Any) -> None:
+        """After one step: `outputs` are its EngineCoreOutputs, `stats` its
+        SchedulerStats, `scheduler` the engine's Scheduler (read only)."""
+        now = self.clock()
+        requests = self._requests
+        for req in scheduler.running:
+            t = requests.get(req.request_id)
+            if t is not None and t.scheduled is None:
+                t.scheduled = now
+        step_prompt = 0
+        step_generated = 0
+        for out in outputs:
+            t = requests.get(out.req_id)
+            n = len(out.new_token_ids)
+            step_generated += n
+            if t is None:
+                continue
+            if n:
+                if t.first_token is None:
+                    t.first_token = now
+                    if t.scheduled is None:
+                        t.scheduled = now
+                    step_prompt += t.num_prompt_tokens
+                    self.histograms["vllm:time_to_first_token_seconds"].observe(now - t.arrival)
+                elif t.last_token is not None:
+                    itl = self.histograms["vllm:inter_token_latency_seconds"]
+                    # Several tokens in one step (drafts accepted): each gets its share.
+                    for _ in range(n):
+                        itl.observe((now - t.last_token) / n)
+                t.last_token = now
+                t.num_generated += n
+            if out.finish_reason is not None:
+                self._finished(out.req_id, t, out.finish_reason, now)
+        self.prompt_tokens += step_prompt
+        self.generation_tokens += step_generated
+        self.histograms["vllm:iteration_tokens_total"].observe(
+            stats.num_scheduled_tokens or (step_prompt + step_generated)
+        )
+        self.num_preemptions += stats.num_preemptions
+        self.prefix_queries += stats.prefix_queries
+        self.prefix_hits += stats.prefix_hits
+        self.leak_violations = stats.kv_leak_violations
+        self.num_running = stats.num_running
+        self.num_waiting = stats.num_waiting
+        self.kv_usage = stats.kv_usage
+        if now - self._last_capacity >= self.capacity_period_s or not scheduler.running:
+            self._last_capacity = now
+            self.capacity = capacity_view(scheduler.kv, scheduler.running)
+            if len(self.peak_ratio) != len(self.capacity):
+                self.peak_ratio = [0.0] * len(self.capacity)
+            for g in self.capacity:
+                self.peak_ratio[g.group_id] = max(self.peak_ratio[g.group_id], g.worst)
+
+    def finish(self, req_id: str, reason: str) -> None:
+        """A request finished outside the core's outputs (a stop string matched by
+        the detokenizer): count it now."""
+        t = self._requests.get(req_id)
+        if t is not None:
+            self._finished(req_id, t, reason, self.clock())
+
+    def _finished(self, req_id: str, t: _Timing, reason: str, now: float) -> None:
+        del self._requests[req_id]
+        self.request_success[reason] = self.request_success.get(reason, 0) + 1
+        h = self.histograms
+        scheduled = t.scheduled if t.scheduled is not None else now
+        first = t.first_token if t.first_token is not None else now
+        h["vllm:e2e_request_latency_seconds"].observe(now - t.arrival)
+        h["vllm:request_queue_time_seconds"].observe(scheduled - t.arrival)
+        h["vllm:request_inference_time_seconds"].observe(now - scheduled)
+        h["vllm:request_prefill_time_seconds"].observe(first - scheduled)
+        h["vllm:request_decode_time_seconds"].observe(now - first)
+        h["vllm:request_prompt_tokens"].observe(t.num_prompt_tokens)
+        h["vllm:request_generation_tokens"].observe(t.num_generated)
+        if t.num_generated > 1:
+            h["vllm:request_time_per_output_token_seconds"].observe(
+                (now - first) / (t.num_generated - 1)
+            )
+
+    # -- any thread -------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, JSON-safe: counters (cumulative), gauges, histograms, info."""
+        return {
+            "counters": {
+                "vllm:prompt_tokens": self.prompt_tokens,
+                "vllm:generation_tokens": self.generation_tokens,
+                "vllm:num_preemptions": self.num_preemptions,
+                "vllm:prefix_cache_queries": self.prefix_queries,
+                "vllm:prefix_cache_hits": self.prefix_hits,
+                "spur:kv_leak_violations": self.leak_violations,
+            },
+            "request_success": dict(self.request_success),
+            "gauges": {
+                "vllm:num_requests_running": self.num_running,
+                "vllm:num_requests_waiting": self.num_waiting,
+                "vllm:kv_cache_usage_perc": self.kv_usage,
+            },
+            "capacity": [
+                {
+                    "group": g.group_id,
+                    "kind": g.kind,
+                    "held": g.held,
+                    "geometry": g.geometry,
+                    "ratio": g.ratio,
+                    "worst_ratio": g.worst,
+                    "peak_ratio": self.peak_ratio[g.group_id] if self.peak_ratio else g.worst,
+                }
+                for g in self.capacity
+            ],
+            "histograms": {name: h.to_dict() for name, h in list(self.histograms.items())},
+            "info": dict(self.info),
+        }
+
+
+def engine_info(kv_config: Any, scheduler_config: Any, args: Any) -> dict[str, Any]:
+    """Start-up facts of an engine: vLLM's cache_config_info labels plus spur's
+    capacity claim (requests of max_model_len the pool holds, tokens in the pool)."""
+    bs = kv_config.block_size
+    usable = kv_config.num_blocks - 1
+    per_request = sum(
+        g.spec.max_blocks(
+            scheduler_config.max_model_len, bs, scheduler_config.max_num_batched_tokens
+        )
+        for g in kv_config.groups
+    )
+    return {
+        "cache_config": {
+            "block_size": str(bs),
+            "num_gpu_blocks": str(kv_config.num_blocks),
+            "num_cpu_blocks": "0",
+            "cache_dtype": str(getattr(args, "kv_cache_dtype", "auto")),
+            "enable_prefix_caching": str(bool(kv_config.enable_prefix_caching)),
+            "gpu_memory_utilization": str(getattr(args, "gpu_memory_utilization", "")),
+            "prefix_caching_hash_algo": "sha256",
+            "max_model_len": str(scheduler_config.max_model_len),
+        },
+        "claimed_max_concurrency": usable // per_request if per_request else 0,
+        "pool_tokens": usable * bs,
+        "groups": [g.spec.kind for g in kv_config.groups],
+    }
+
+
+# -- tests only: a deliberately broken engine ---------------------------------------------
+def break_retirement(kv: Any, blocks_per_step: int) -> None:
+    """TESTS ONLY (`engine.runtime.test_leak_blocks_per_step`): make `kv` (a
+    KVCacheManager) keep `blocks_per_step` extra blocks in group 0's table of a
+    request at every allocation, as a retirement that forgets to return blocks
+    would. The blocks are real (taken from the pool, freed with the request), so
+    KV usage rises, held/geometry exceeds 1 within one request, and the leak
+    detector (switched on for plain models too) counts the request."""
+    if blocks_per_step <= 0:
+        return
+    original = kv.allocate_slots
+    kv._plain = False  # the detector skips a lone full-attention group otherwise
+    manager = kv.managers[0]
+    pool = kv.pool
+
+    def leaky(request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(request, *args, **kwargs)
+        table = manager.tables.get(request.request_id)
+        if out is None or table is None or pool.num_free_blocks <= blocks_per_step + 2:
+            return out
+        extra = pool.get_new_blocks(blocks_per_step)
+        table.extend(extra)
+        out[0] = [*out[0], *(b.block_id for b in extra)]
+        return out
+
+    kv.allocate_slots = leaky

@@ -1,0 +1,503 @@
+"""Grafana dashboards and Prometheus alert rules, declared once, here.
+
+    DASHBOARDS   three dashboards of panels; each panel is a title, a unit and its
+                 PromQL targets (with the `$lane` / `$model` variables)
+    ALERTS       Prometheus alerting rules over the same series
+
+`spur dashboards export DIR` writes the Grafana JSON (`dashboard_json`) and
+`alerts.yaml`; the Helm chart ships the same files (helm/spur/files/, kept equal
+by a freshness test); `spur dashboards push` sends them to a Grafana with
+grafana-client (`spur.cluster.grafana`). Every expression is evaluated against a
+real Prometheus scraping a live server in tests/observability.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DATASOURCE_UID = "spur-prometheus"
+FOLDER_TITLE = "spur"
+FOLDER_UID = "spur"
+SEL = '{lane=~"$lane", model_name=~"$model"}'
+"""The variables' selector of engine series."""
+RI = "$__rate_interval"
+
+
+def _q(metric: str, quantile: float) -> str:
+    return f"histogram_quantile({quantile}, sum by (le) (rate({metric}_bucket{SEL}[{RI}])))"
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    targets: tuple[tuple[str, str], ...]
+    """(PromQL, legend) pairs."""
+    unit: str = "short"
+    kind: str = "timeseries"
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+
+OVERVIEW = Dashboard(
+    "spur-overview",
+    "spur / Overview",
+    "Traffic, latency, queues and KV usage of every lane (vLLM's metric names).",
+    (
+        Panel(
+            "Requests/s",
+            ((f"sum by (lane) (rate(vllm:request_success_total{SEL}[{RI}]))", "{{lane}}"),),
+            "reqps",
+        ),
+        Panel(
+            "Tokens/s",
+            (
+                (f"sum(rate(vllm:prompt_tokens_total{SEL}[{RI}]))", "prompt"),
+                (f"sum(rate(vllm:generation_tokens_total{SEL}[{RI}]))", "generation"),
+            ),
+        ),
+        Panel(
+            "Time to first token",
+            tuple(
+                (_q("vllm:time_to_first_token_seconds", q), f"p{int(q * 100)}")
+                for q in (0.5, 0.9, 0.99)
+            ),
+            "s",
+        ),
+        Panel(
+            "Inter-token latency",
+            tuple(
+                (_q("vllm:inter_token_latency_seconds", q), f"p{int(q * 100)}")
+                for q in (0.5, 0.9, 0.99)
+            ),
+            "s",
+        ),
+        Panel(
+            "End-to-end latency",
+            tuple(
+                (_q("vllm:e2e_request_latency_seconds", q), f"p{int(q * 100)}")
+                for q in (0.5, 0.9, 0.99)
+            ),
+            "s",
+        ),
+        Panel(
+            "Running and waiting",
+            (
+                (f"sum by (lane) (vllm:num_requests_running{SEL})", "running {{lane}}"),
+                (f"sum by (lane) (vllm:num_requests_waiting{SEL})", "waiting {{lane}}"),
+            ),
+        ),
+        Panel(
+            "KV cache usage",
+            ((f"max by (lane, engine) (vllm:kv_cache_usage_perc{SEL})", "{{lane}} {{engine}}"),),
+            "percentunit",
+        ),
+        Panel(
+            "Prefix cache hit rate",
+            (
+                (
+                    f"sum by (lane) (rate(vllm:prefix_cache_hits_total{SEL}[{RI}])) / "
+                    f"clamp_min(sum by (lane) (rate(vllm:prefix_cache_queries_total{SEL}[{RI}])),"
+                    " 1)",
+                    "{{lane}}",
+                ),
+            ),
+            "percentunit",
+        ),
+        Panel(
+            "Preemptions/s",
+            ((f"sum by (lane) (rate(vllm:num_preemptions_total{SEL}[{RI}]))", "{{lane}}"),),
+        ),
+        Panel(
+            "Finish reasons",
+            (
+                (
+                    f"sum by (finished_reason) (rate(vllm:request_success_total{SEL}[{RI}]))",
+                    "{{finished_reason}}",
+                ),
+            ),
+            "reqps",
+        ),
+        Panel(
+            "HTTP errors by code",
+            (
+                (
+                    f"sum by (route, status, code) (rate(spur:http_errors_total[{RI}]))",
+                    "{{status}} {{code}} {{route}}",
+                ),
+            ),
+            "reqps",
+        ),
+    ),
+)
+
+CAPACITY = Dashboard(
+    "spur-capacity",
+    "spur / Capacity truth",
+    "Blocks held by running requests against the capacity formula, per KV group: a "
+    "ratio above 1 is a leak (the start-up claim overstates capacity).",
+    (
+        Panel(
+            "Blocks held vs geometry",
+            (
+                (
+                    f"sum by (lane, group, kind) (spur:kv_blocks_held{SEL})",
+                    "held {{lane}} g{{group}}",
+                ),
+                (
+                    f"sum by (lane, group, kind) (spur:kv_blocks_geometry{SEL})",
+                    "geometry {{lane}} g{{group}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Held / geometry",
+            (
+                (
+                    f"max by (lane, engine, group, kind) (spur:kv_held_over_geometry{SEL})",
+                    "{{lane}} {{engine}} g{{group}} {{kind}}",
+                ),
+                (
+                    f"max by (lane, group) (spur:kv_request_held_over_geometry_max{SEL})",
+                    "worst request {{lane}} g{{group}}",
+                ),
+                (
+                    f"max by (lane, group) (spur:kv_held_over_geometry_peak{SEL})",
+                    "peak {{lane}} g{{group}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Leak detector violations",
+            (
+                (
+                    f"sum by (lane, engine) (spur:kv_leak_violations_total{SEL})",
+                    "{{lane}} {{engine}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Claimed vs measured concurrency",
+            (
+                (f"sum by (lane) (spur:capacity_claimed_max_concurrency{SEL})", "claimed {{lane}}"),
+                (f"sum by (lane) (vllm:num_requests_running{SEL})", "running {{lane}}"),
+            ),
+        ),
+        Panel(
+            "KV pool tokens",
+            ((f"sum by (lane) (spur:capacity_pool_tokens{SEL})", "{{lane}}"),),
+        ),
+    ),
+)
+
+LANES = Dashboard(
+    "spur-lanes",
+    "spur / Lanes and routing",
+    "Where each lane's traffic goes (primaries or spare) and why, failovers, retries, "
+    "stream continuations, per-replica load, routing decisions and KV-index lag.",
+    (
+        Panel(
+            "Lane target (1 = on spare)",
+            (
+                (
+                    'max by (lane, spare) (spur:lane_on_spare{lane=~"$lane"})',
+                    "{{lane}} -> {{spare}}",
+                ),
+            ),
+            description="When did which lane run on its spare; the reason is on spur:lane_target.",
+        ),
+        Panel(
+            "Lane target by deployment and reason",
+            (
+                (
+                    "max by (lane, target, deployment, reason) "
+                    '(spur:lane_target{lane=~"$lane"}) == 1',
+                    "{{lane}}: {{target}} ({{reason}})",
+                ),
+            ),
+        ),
+        Panel(
+            "Failovers",
+            (
+                (
+                    f"sum by (lane, from, to, reason) (increase(spur:lane_failovers_total[{RI}]))",
+                    "{{lane}} {{from}} -> {{to}} ({{reason}})",
+                ),
+            ),
+        ),
+        Panel(
+            "Retries, continuations, replica failures",
+            (
+                (f"sum by (lane) (rate(spur:retries_total[{RI}]))", "retries {{lane}}"),
+                (
+                    f"sum by (lane) (rate(spur:stream_continuations_total[{RI}]))",
+                    "continuations {{lane}}",
+                ),
+                (f"sum by (lane) (rate(spur:replica_failures_total[{RI}]))", "failures {{lane}}"),
+                (f"sum by (lane) (rate(spur:spare_fallbacks_total[{RI}]))", "fallbacks {{lane}}"),
+            ),
+        ),
+        Panel(
+            "Per-replica load",
+            (
+                (
+                    f"sum by (lane, engine) (vllm:num_requests_running{SEL} + "
+                    f"vllm:num_requests_waiting{SEL})",
+                    "{{lane}} {{engine}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Per-replica KV usage",
+            ((f"max by (lane, engine) (vllm:kv_cache_usage_perc{SEL})", "{{lane}} {{engine}}"),),
+            "percentunit",
+        ),
+        Panel(
+            "Replica health",
+            ((f"max by (lane, engine, node) (spur:replica_healthy{SEL})", "{{lane}} {{engine}}"),),
+        ),
+        Panel(
+            "Routing decisions by reason",
+            (
+                (
+                    f"sum by (lane, reason) (rate(spur:routing_decisions_total[{RI}]))",
+                    "{{lane}} {{reason}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Matched blocks per decision (p50, p90)",
+            tuple(
+                (
+                    f"histogram_quantile({q}, sum by (lane, le) "
+                    f"(rate(spur:routing_matched_blocks_bucket[{RI}])))",
+                    f"p{int(q * 100)} {{{{lane}}}}",
+                )
+                for q in (0.5, 0.9)
+            ),
+        ),
+        Panel(
+            "KV index event lag",
+            (("max(spur:kv_index_event_lag_seconds)", "lag"),),
+            "s",
+        ),
+        Panel(
+            "Start failures and restart loops",
+            (
+                ("sum by (lane, node) (spur:replica_start_failures_total)", "failures {{lane}}"),
+                ("max by (lane, node) (spur:restart_loop)", "loop {{lane}} {{node}}"),
+                ("sum by (lane, node) (spur:replica_restarts_total)", "restarts {{lane}}"),
+            ),
+        ),
+        Panel(
+            "Config identity",
+            (
+                (
+                    "count by (config_hash, version) (spur:config_info)",
+                    "{{config_hash}} v{{version}}",
+                ),
+            ),
+            kind="table",
+        ),
+    ),
+)
+
+DASHBOARDS = (OVERVIEW, CAPACITY, LANES)
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str
+
+
+ALERTS = (
+    Alert(
+        "SpurLaneOnSpare",
+        "max by (lane, spare) (spur:lane_on_spare) == 1",
+        "10m",
+        "warning",
+        "Lane {{ $labels.lane }} has run on its spare {{ $labels.spare }} for 10 minutes.",
+    ),
+    Alert(
+        "SpurKVLeakViolations",
+        "sum by (lane, engine) (spur:kv_leak_violations_total) > 0",
+        "0m",
+        "critical",
+        "Engine {{ $labels.engine }} ({{ $labels.lane }}) holds more KV blocks than the "
+        "capacity formula allows: the claimed capacity is overstated.",
+    ),
+    Alert(
+        "SpurHeldOverGeometry",
+        "max by (lane, engine, group, kind) (spur:kv_request_held_over_geometry_max) > 1.2",
+        "2m",
+        "critical",
+        "A request on {{ $labels.engine }} holds {{ $value }}x the blocks of KV group "
+        "{{ $labels.group }} its geometry needs.",
+    ),
+    Alert(
+        "SpurRestartLoop",
+        "max by (lane, node) (spur:restart_loop) == 1 or "
+        "sum by (lane, node) (increase(spur:replica_start_failures_total[10m])) >= 3",
+        "0m",
+        "critical",
+        "Replicas of lane {{ $labels.lane }} keep failing to start on {{ $labels.node }}.",
+    ),
+    Alert(
+        "SpurKVFullWhileWaiting",
+        "max by (lane, engine) (vllm:kv_cache_usage_perc) > 0.95 and on (lane, engine) "
+        "max by (lane, engine) (vllm:num_requests_waiting) > 0",
+        "5m",
+        "warning",
+        "Engine {{ $labels.engine }} ({{ $labels.lane }}) is out of KV blocks while requests wait.",
+    ),
+    Alert(
+        "SpurHTTP5xx",
+        'sum by (route, status) (rate(spur:http_requests_total{status=~"5.."}[5m])) > 0',
+        "1m",
+        "warning",
+        "spur answers {{ $labels.status }} on {{ $labels.route }}.",
+    ),
+)
+
+
+# -- rendering --------------------------------------------------------------------------
+def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    return {
+        "id": pid,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {
+                "refId": chr(ord("A") + i),
+                "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+                "expr": expr,
+                "legendFormat": legend,
+                **({"format": "table", "instant": True} if panel.kind == "table" else {}),
+            }
+            for i, (expr, legend) in enumerate(panel.targets)
+        ],
+    }
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+        "query": {"query": query, "refId": f"{name}-var"},
+        "definition": query,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "refresh": 2,
+    }
+
+
+def dashboard_json(d: Dashboard) -> dict[str, Any]:
+    """Grafana dashboard model (schemaVersion 39) of `d`: two panels a row."""
+    return {
+        "uid": d.uid,
+        "title": d.title,
+        "description": d.description,
+        "tags": ["spur", "vllm"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {
+            "list": [
+                _variable("lane", "lane", "label_values(vllm:num_requests_running, lane)"),
+                _variable("model", "model", "label_values(vllm:num_requests_running, model_name)"),
+            ]
+        },
+        "panels": [
+            _panel_json(p, i + 1, 12 * (i % 2), 8 * (i // 2)) for i, p in enumerate(d.panels)
+        ],
+    }
+
+
+def alert_rules() -> dict[str, Any]:
+    """The Prometheus rule file (`groups:`) of ALERTS."""
+    return {
+        "groups": [
+            {
+                "name": "spur",
+                "rules": [
+                    {
+                        "alert": a.name,
+                        "expr": a.expr,
+                        "for": a.for_,
+                        "labels": {"severity": a.severity},
+                        "annotations": {"summary": a.summary},
+                    }
+                    for a in ALERTS
+                ],
+            }
+        ]
+    }
+
+
+def file_name(d: Dashboard) -> str:
+    return f"{d.uid}.json"
+
+
+def export(out: Path) -> list[Path]:
+    """Write every dashboard's JSON and alerts.yaml into `out`; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for d in DASHBOARDS:
+        path = out / file_name(d)
+        path.write_text(json.dumps(dashboard_json(d), indent=2, sort_keys=True) + "\n")
+        paths.append(path)
+    alerts = out / "alerts.yaml"
+    alerts.write_text(
+        "# Generated by `spur dashboards export` from spur/cluster/dashboards.py: edit there.\n"
+        + yaml.safe_dump(alert_rules(), sort_keys=False, width=1000)
+    )
+    paths.append(alerts)
+    return paths
+
+
+def write_chart_files(chart: Path) -> None:
+    """The chart's copies: files/dashboards/*.json and files/alerts.yaml."""
+    for path in export(chart / "files" / "dashboards"):
+        if path.name == "alerts.yaml":
+            path.replace(chart / "files" / "alerts.yaml")
+
+
+def concrete(expr: str, rate_interval: str = "1m") -> str:
+    """`expr` with Grafana's variables replaced, for evaluation by Prometheus."""
+    expr = expr.replace("$__rate_interval", rate_interval)
+    return re.sub(r"\$(lane|model)\b", ".*", expr)
+
+
+def all_queries() -> list[tuple[str, str, str]]:
+    """(dashboard uid, panel title, PromQL) of every target."""
+    return [(d.uid, p.title, e) for d in DASHBOARDS for p in d.panels for e, _ in p.targets]
+
+
+if __name__ == "__main__":  # python -m spur.cluster.dashboards: refresh the chart's files
+    write_chart_files(Path(__file__).resolve().parent.parent / "helm" / "spur")

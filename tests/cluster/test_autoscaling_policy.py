@@ -1,0 +1,181 @@
+"""spur's autoscaling policy: the pure decision, and the same function under Serve's own
+wrapper (delays, bounds) with a real AutoscalingContext. No Ray cluster runs here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spur.cluster.autoscaling import (
+    Decision,
+    ReplicaLoad,
+    Targets,
+    decide_from_metrics,
+    desired_replicas,
+    policy,
+    target_metrics,
+)
+
+T = Targets(min_replicas=1, max_replicas=4, target_ongoing_requests=8)
+
+
+def idle(n: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(waiting=0, running=0, kv_usage=0.0) for _ in range(n)]
+
+
+def test_demand_sets_the_replica_count() -> None:
+    loads = [ReplicaLoad(waiting=10, running=8, kv_usage=0.4)]
+    d = desired_replicas(loads, current=1, spare_demand=0, targets=T)
+    assert d == Decision(3, "demand", 18.0)
+
+
+def test_spare_traffic_counts_as_the_lanes_demand() -> None:
+    # The primaries look calm because the overflow went to the spare.
+    loads = [ReplicaLoad(waiting=0, running=6, kv_usage=0.3)]
+    assert desired_replicas(loads, current=1, spare_demand=0, targets=T).replicas == 1
+    d = desired_replicas(loads, current=1, spare_demand=12, targets=T)
+    assert (d.replicas, d.reason, d.demand) == (3, "demand", 18.0)
+
+
+def test_waiting_queue_and_kv_pressure_add_one_replica() -> None:
+    wide = Targets(max_replicas=4, target_ongoing_requests=100, waiting_per_replica_high=2)
+    queued = [ReplicaLoad(waiting=3, running=4, kv_usage=0.2)]
+    assert desired_replicas(queued, current=1, spare_demand=0, targets=wide).reason == "waiting"
+    full = [ReplicaLoad(waiting=0, running=4, kv_usage=0.95)]
+    d = desired_replicas(full, current=1, spare_demand=0, targets=wide)
+    assert (d.replicas, d.reason) == (2, "kv_pressure")
+
+
+def test_scale_down_only_when_quiet_and_one_at_a_time() -> None:
+    d = desired_replicas(idle(3), current=3, spare_demand=0, targets=T)
+    assert (d.replicas, d.reason) == (2, "idle")
+    # Low demand but something waits, sits on the spare, or the pool is busy: hold.
+    waiting = [ReplicaLoad(waiting=1, running=0), *idle(2)]
+    assert desired_replicas(waiting, current=3, spare_demand=0, targets=T).reason == "hold"
+    assert desired_replicas(idle(3), current=3, spare_demand=1, targets=T).reason == "hold"
+    busy_kv = [ReplicaLoad(waiting=0, running=1, kv_usage=0.7) for _ in range(3)]
+    assert desired_replicas(busy_kv, current=3, spare_demand=0, targets=T).reason == "hold"
+
+
+def test_bounds() -> None:
+    flood = [ReplicaLoad(waiting=100, running=16, kv_usage=0.99)]
+    d = desired_replicas(flood, current=1, spare_demand=50, targets=T)
+    assert (d.replicas, d.reason) == (4, "bounds")
+    two = Targets(min_replicas=2, max_replicas=4)
+    assert desired_replicas(idle(2), current=2, spare_demand=0, targets=two).replicas == 2
+    # Nothing reported yet (replicas starting): hold at the floor, do not crash.
+    assert desired_replicas([], current=0, spare_demand=0, targets=two).replicas == 2
+
+
+def test_decide_from_metrics_reads_serve_layout_and_targets() -> None:
+    metrics = {
+        "waiting": {"r1": 4.0, "r2": 4.0, "gone": 100.0},
+        "running": {"r1": 2.0, "r2": 2.0, "gone": 100.0},
+        "kv_usage": {"r1": 0.1, "r2": 0.1},
+        "spare_demand": {"r1": 3.0, "r2": 3.0},
+        "target_target_ongoing_requests": {"r1": 5.0, "r2": 5.0},
+    }
+    d = decide_from_metrics(
+        metrics, current=2, min_replicas=1, max_replicas=8, running=["r1", "r2"]
+    )
+    # (4+2)*2 + 3 (spare, counted once) = 15 requests at 5 per replica.
+    assert (d.replicas, d.demand) == (3, 15.0)
+
+
+def test_target_metrics() -> None:
+    cfg = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8, "kv_usage_low": 0.3}
+    assert target_metrics(cfg) == {
+        "target_target_ongoing_requests": 8.0,
+        "target_kv_usage_low": 0.3,
+    }
+    assert target_metrics(None) == {}
+
+
+# -- under Serve's wrapper ----------------------------------------------------------------
+def _context(config: Any, metrics: dict[str, dict[str, float]], *, current: int, target: int,
+             state: dict[str, Any], now: float) -> Any:  # fmt: skip
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.config import AutoscalingContext
+
+    return AutoscalingContext(
+        deployment_id=DeploymentID(name="engine-chat", app_name="spur"),
+        deployment_name="engine-chat",
+        app_name="spur",
+        current_num_replicas=current,
+        target_num_replicas=target,
+        running_replicas=[f"r{i}" for i in range(current)],
+        total_num_requests=0.0,
+        total_queued_requests=0.0,
+        aggregated_metrics=metrics,
+        raw_metrics={},
+        capacity_adjusted_min_replicas=config.min_replicas,
+        capacity_adjusted_max_replicas=config.max_replicas,
+        policy_state=state,
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=now,
+        config=config,
+    )
+
+
+def test_serve_applies_spurs_delays_to_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray.serve.autoscaling_policy as sap
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    from spur.cluster.app import serve_autoscaling_config
+    from spur.configs.schema import AutoscalingConfig as SpurAutoscaling
+
+    spur_cfg = SpurAutoscaling(
+        min_replicas=1, max_replicas=3, upscale_delay_s=5, downscale_delay_s=20,
+        target_ongoing_requests=4,
+    )  # fmt: skip
+    options = serve_autoscaling_config(spur_cfg)
+    assert options["policy"]["policy_function"] == "spur.cluster.autoscaling:policy"
+    config = AutoscalingConfig(
+        **{k: v for k, v in options.items() if k != "policy"},
+        policy=AutoscalingPolicy(**options["policy"]),
+    )
+    wrapped = sap._apply_autoscaling_config(config.policy.get_policy())
+    clock = [1000.0]
+    monkeypatch.setattr(sap.time, "time", lambda: clock[0])
+    busy = {"waiting": {"r0": 6.0}, "running": {"r0": 4.0}, **_targets(spur_cfg, ["r0"])}
+    state: dict[str, Any] = {}
+    replicas, target = [], 1
+    for _ in range(7):  # one decision per second
+        ctx = _context(config, busy, current=1, target=target, state=state, now=clock[0])
+        n, state = wrapped(ctx)
+        replicas.append(target := n)
+        clock[0] += 1.0
+    assert replicas == [1, 1, 1, 1, 1, 3, 3], "up only after upscale_delay_s of asking"
+    assert state["spur"]["reason"] == "demand"
+    quiet = {"waiting": {"r0": 0.0, "r1": 0.0, "r2": 0.0}, **_targets(spur_cfg, ["r0", "r1", "r2"])}
+    state, downs = {}, []
+    for _ in range(22):
+        n, state = wrapped(_context(config, quiet, current=3, target=3, state=state, now=clock[0]))
+        downs.append(n)
+        clock[0] += 1.0
+    assert downs[:20] == [3] * 20 and downs[20] == 2, "down one replica after downscale_delay_s"
+    # A burst in the middle of the wait restarts it (no flapping).
+    state = {}
+    for i in range(15):
+        metrics = busy if i == 7 else quiet
+        cur = 3
+        n, state = wrapped(
+            _context(config, metrics, current=cur, target=cur, state=state, now=clock[0])
+        )
+        assert n == 3
+        clock[0] += 1.0
+
+
+def _targets(cfg: Any, replicas: list[str]) -> dict[str, dict[str, float]]:
+    return {k: dict.fromkeys(replicas, v) for k, v in target_metrics(cfg.model_dump()).items()}
+
+
+def test_policy_state_reports_the_decision() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    config = AutoscalingConfig(min_replicas=1, max_replicas=2)
+    ctx = _context(config, {"waiting": {"r0": 0.0}}, current=1, target=1, state={}, now=0.0)
+    n, state = policy(ctx)
+    assert n == 1 and state["spur"]["reason"] in ("hold", "bounds")
