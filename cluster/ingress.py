@@ -92,6 +92,9 @@ app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/
 
 
 # -- module helpers ---------------------------------------------------------------------
+_TOKENIZER_LOCK = asyncio.Lock()
+
+
 def _load_tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -308,9 +311,11 @@ class Ingress:
         own = stats or spare_stats
         assert own is not None
         lane.max_model_len = int(own["max_model_len"])
-        lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
+        async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
+            lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
         if spare and stats and spare_stats and spare_stats["model_dir"] != stats["model_dir"]:
-            other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
+            async with _TOKENIZER_LOCK:
+                other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
             if other.get_vocab() != lane.tokenizer.get_vocab():
                 self.selector.disable_spare(
                     lane.name,
@@ -425,10 +430,14 @@ class Ingress:
 
     async def _warm_lanes(self) -> None:
         async def warm(lane: _Lane) -> None:
-            with contextlib.suppress(Exception):
-                async with lane.lock:
-                    if lane.tokenizer is None:
-                        await self._init_lane(lane)
+            while lane.tokenizer is None and self.draining is None:
+                try:
+                    async with lane.lock:
+                        if lane.tokenizer is None:
+                            await self._init_lane(lane)
+                except Exception as exc:  # retried: readiness depends on it
+                    logger.warning("lane %s not initialised yet: %r", lane.name, exc)
+                    await asyncio.sleep(1.0)
 
         await asyncio.gather(*(warm(self.lanes[name]) for name in self.primaries))
 
