@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -85,10 +86,16 @@ app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/
 
 
 # -- module helpers ---------------------------------------------------------------------
-def _load_tokenizer(model_dir: str) -> Any:
-    from transformers import AutoTokenizer
+_TOKENIZER_LOCK = threading.Lock()
 
-    return AutoTokenizer.from_pretrained(model_dir)
+
+def _load_tokenizer(model_dir: str) -> Any:
+    # One at a time: lanes warm up concurrently, and a first import of transformers
+    # from two threads at once can fail half-initialized (a lane then never warms).
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _params_dict(params: Any) -> dict[str, Any]:
@@ -395,10 +402,12 @@ class Ingress:
 
     async def _warm_lanes(self) -> None:
         async def warm(lane: _Lane) -> None:
-            with contextlib.suppress(Exception):
+            try:
                 async with lane.lock:
                     if lane.tokenizer is None:
                         await self._init_lane(lane)
+            except Exception as exc:  # its first request retries; say why it failed
+                logger.warning("warming lane %s failed: %r", lane.name, exc)
 
         await asyncio.gather(*(warm(self.lanes[name]) for name in self.primaries))
 
