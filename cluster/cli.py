@@ -209,7 +209,7 @@ def _observability_parsers(sub: Any) -> None:
     top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY)")
+    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY / SPUR_API_KEY)")
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -243,14 +243,14 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from spur.cluster.top import TopError, run
-    from spur.configs.env import admin_key
+    from spur.configs.env import client_api_key
 
     try:
         return run(
             args.url,
             once=args.once,
             interval_s=args.interval,
-            admin_key=args.admin_key or admin_key(),
+            admin_key=args.admin_key or client_api_key(admin=True),
         )
     except TopError as e:
         print(f"spur: error: {e}", file=sys.stderr)
