@@ -1,0 +1,74 @@
+"""/health's answer and the spare-traffic counter (pure; no Ray, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from spur.cluster.readiness import CountedStream, health_report
+
+
+def test_starting_until_every_lane_answered() -> None:
+    status, body = health_report({"chat": True, "code": False}, {}, {}, None)
+    assert status == 503 and body["status"] == "starting"
+    assert list(body["missing"]) == ["code"] and "'code'" in body["missing"]["code"]
+    assert health_report({"chat": True, "code": True}, {}, {}, None) == (200, {"status": "ok"})
+
+
+def test_a_spare_that_serves_keeps_the_lane_ready() -> None:
+    spare = {"chat": "spare"}
+    assert health_report({"chat": True}, {"chat": 0, "spare": 1}, spare, None)[0] == 200
+    status, body = health_report({"chat": True}, {"chat": 0, "spare": 0}, spare, None)
+    assert status == 503 and "'spare'" in body["missing"]["chat"]
+    # Not polled yet (-1) does not count against a lane that answered.
+    assert health_report({"chat": True}, {"chat": -1}, {}, None)[0] == 200
+
+
+def test_draining_wins() -> None:
+    status, body = health_report({"chat": True}, {"chat": 1}, {}, "stop signal")
+    assert (status, body) == (503, {"status": "draining", "reason": "stop signal"})
+
+
+class Gen:
+    def __init__(self, n: int, exc: BaseException | None = None) -> None:
+        self.n, self.exc, self.cancelled = n, exc, False
+
+    async def __anext__(self) -> Any:
+        if self.n:
+            self.n -= 1
+            return {"type": "delta"}
+        if self.exc is not None:
+            raise self.exc
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("exc", [None, RuntimeError("gone")])
+def test_counted_stream_counts_while_open(exc: BaseException | None) -> None:
+    counter: Counter[str] = Counter()
+    stream = CountedStream(Gen(2, exc), counter, "chat")
+    assert counter["chat"] == 1
+
+    async def drain() -> None:
+        with pytest.raises(StopAsyncIteration if exc is None else RuntimeError):
+            while True:
+                await stream.__anext__()
+                assert counter["chat"] == 1
+
+    asyncio.run(drain())
+    assert counter["chat"] == 0
+    stream.cancel()  # after the end: counted once only
+    assert counter["chat"] == 0
+
+
+def test_counted_stream_cancel() -> None:
+    counter: Counter[str] = Counter()
+    gen = Gen(5)
+    stream = CountedStream(gen, counter, "chat")
+    stream.cancel()
+    assert gen.cancelled and counter["chat"] == 0
