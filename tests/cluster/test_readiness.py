@@ -72,3 +72,24 @@ def test_counted_stream_cancel() -> None:
     stream = CountedStream(gen, counter, "chat")
     stream.cancel()
     assert gen.cancelled and counter["chat"] == 0
+
+
+def test_index_carries_spare_demand_and_the_drain_flag_to_engines() -> None:
+    """The KV index actor's class (no Ray running): an ingress reports the lane's
+    requests on the spare; the lane's replicas learn it (and the drain) from publish."""
+    from spur.cluster.routing.index_actor import KVIndexActor
+
+    index = KVIndexActor(heartbeat_timeout_s=1.0)
+    index.register("r1", "chat", "n1")
+    assert index.publish("r1", [], {})["spare_demand"] == 0
+    assert index.report_spare_load("ingress-a", {"chat": 3}) is None
+    index.report_spare_load("ingress-b", {"chat": 2, "code": 1})
+    answer = index.publish("r1", [], {})
+    assert answer["spare_demand"] == 5 and answer["draining"] is None
+    index.set_draining("stop signal")
+    assert index.report_spare_load("ingress-a", {}) == "stop signal"
+    assert index.publish("r1", [], {})["draining"] == "stop signal"
+    assert index.drain_status() == {"remaining": 1, "reports": 0}
+    assert index.leave("r1") and index.drain_status()["remaining"] == 0
+    index.record_drain({"replica_id": "r1", "aborted": 0, "integrity": "ok"})
+    assert index.drained()[0]["integrity"] == "ok"
