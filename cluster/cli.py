@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default="SmolLM2-135M-Instruct")
     engine.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
     engine.add_argument(
+        "--prefix-hit",
+        type=int,
+        default=None,
+        help="also time a prefill with a cached prefix of N tokens vs cold "
+        "(default: 2048 for --model hybrid, else 0)",
+    )
+    engine.add_argument(
         "--matmul-floor",
         action="store_true",
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
@@ -535,6 +542,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model=args.model,
             quick=args.quick,
             matmul_floor=args.matmul_floor,
+            prefix_hit_tokens=(
+                args.prefix_hit
+                if args.prefix_hit is not None
+                else (2048 if args.model == "hybrid" else 0)
+            ),
         )
     elif args.bench == "autoscale":
         from spur.cluster.bench import autoscale
