@@ -105,6 +105,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     parent_id: str | None = None
     index: int = 0
+    # Speculative decoding, over the request's life so far: drafts verified and kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -126,6 +129,9 @@ class SchedulerStats:
     total_preemptions: int = 0
     total_evictions: int = 0
     kv_leak_violations: int = 0  # total requests flagged by the leak detector
+    spec_num_drafts: int = 0  # step, verify steps (requests that had drafts)
+    spec_num_draft_tokens: int = 0  # step
+    spec_num_accepted_tokens: int = 0  # step
 
 
 # -- what a front end returns (offline LLM API, HTTP ingress) ----------------------------
