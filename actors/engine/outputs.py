@@ -44,6 +44,10 @@ class CachedRequestData:
     # (None when nothing was appended in any group).
     new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Per request, per group: the length to cut the block table to BEFORE appending
+    # `new_block_ids` (blocks of rejected draft tokens went back to the pool); None
+    # when nothing was cut. Empty when no request was cut (the common case).
+    block_table_lengths: list[list[int] | None] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -131,6 +131,7 @@ class Scheduler:
         self._known: dict[str, int] = {}  # req ids the worker holds -> tokens it was sent
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
+        self._cuts: dict[str, list[int]] = {}  # table lengths the worker must cut to
 
         self.total_preemptions = 0
         self._step_preemptions = 0
@@ -337,6 +338,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        self._cuts.pop(req.request_id, None)
         req.num_preemptions += 1
         self.total_preemptions += 1
         self._step_preemptions += 1
@@ -385,6 +387,8 @@ class Scheduler:
         cached = CachedRequestData()
         known = self._known
         kv = self.kv
+        cuts = self._cuts
+        has_cuts = bool(cuts)  # then one entry per cached request, in order
         for rid, n in scheduled.items():
             req = requests[rid]
             if rid not in known:
@@ -408,6 +412,8 @@ class Scheduler:
                 )
                 cached.new_block_ids.append(blocks if any(blocks) else None)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+                if has_cuts:
+                    cached.block_table_lengths.append(cuts.pop(rid, None))
             known[rid] = req.num_tokens
             req.num_computed_tokens += n
         total = sum(scheduled.values())
@@ -449,11 +455,15 @@ class Scheduler:
                 if spec:
                     # Roll back: drafts after the first rejected one were not really
                     # computed. Their KV slots lie past num_computed_tokens, so the next
-                    # step rewrites them before anything reads them; the blocks stay
-                    # with the request (its next drafts reuse them) and are never
+                    # step rewrites them before anything reads them, and they are never
                     # offered to the prefix cache (cache_blocks stops at computed).
                     accepted = max(len(sampled) - 1, 0)
-                    req.num_computed_tokens -= len(spec) - accepted
+                    if accepted < len(spec):
+                        req.num_computed_tokens -= len(spec) - accepted
+                        # Keep the slot of the token sampled now; free what lies past it.
+                        cut = self.kv.rollback(req, req.num_computed_tokens + 1)
+                        if cut is not None:
+                            self._cuts[rid] = cut
                     req.num_draft_tokens += len(spec)
                     req.num_accepted_tokens += accepted
                     self.spec_stats.observe(len(spec), accepted)
@@ -521,6 +531,7 @@ class Scheduler:
         del self.requests[rid]
         self._pending_forks.pop(rid, None)
         req.spec_token_ids = []
+        self._cuts.pop(rid, None)
         if self.proposer is not None:
             self.proposer.drop(rid)
         if self._known.pop(rid, None) is not None:

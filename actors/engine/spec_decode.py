@@ -14,8 +14,11 @@ One request's way through a verify step (k = 3 drafts, greedy):
 The output is always the accepted prefix plus one token the model chose itself
 (the correction at the first mismatch, or a bonus token after all k), so a
 verify step yields 1 to k + 1 tokens. The scheduler then rolls back the
-computed count by the rejected drafts: their KV slots are rewritten by the
-next step (the blocks stay with the request, as in vLLM, and go back with it).
+rejected drafts: the computed count drops by their number (their KV slots are
+rewritten by the next step before anything reads them), and the blocks wholly
+past the new last token go back to the pool (`KVCacheManager.rollback`; the
+worker cuts its tables to match, `CachedRequestData.block_table_lengths`), so a
+request never holds more blocks than its tokens need, as the leak detector checks.
 
 Drafting (`propose`) matches the last n tokens, n from `max_n` down to `min_n`,
 against the request's own earlier tokens (prompt and output) and drafts the up

@@ -97,6 +97,11 @@ class RequestStates:
             new_tokens = cached.new_token_ids[i]
             if new_tokens:
                 state.token_ids.extend(new_tokens)
+            if cached.block_table_lengths and (cut := cached.block_table_lengths[i]) is not None:
+                # Blocks of rejected drafts went back to the pool: cut before appending.
+                tables = state.group_block_ids or [state.block_ids]
+                for table, length in zip(tables, cut, strict=True):
+                    del table[length:]
             blocks = cached.new_block_ids[i]
             if blocks is not None:
                 if state.group_block_ids is None:
