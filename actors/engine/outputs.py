@@ -149,6 +149,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string hit
     logprobs: list[Logprobs] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified so far
+    num_accepted_tokens: int = 0  # ... and kept
 
     @property
     def finished(self) -> bool:

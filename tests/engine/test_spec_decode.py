@@ -191,3 +191,42 @@ def test_step_stats_count_each_verify_step_once():
     assert s.num_drafts > 0 and s.accepted_per_pos[0] == s.num_drafts
     # Never drafts past max_tokens: every verify step could be kept in full.
     assert s.num_accepted_tokens + s.num_drafts <= 30
+
+
+def test_metrics_count_drafts_and_render_under_vllms_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from spur.actors.engine.metrics import EngineMetrics
+    from spur.cluster.metrics import MetricsStore, render
+    from spur.configs.loader import config_to_dict, parse_config
+
+    core, sched = make(True)
+    metrics = EngineMetrics(max_model_len=160)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(sched.make_request(f"r{i}", p, params))
+        metrics.on_add(f"r{i}", len(p))
+    generated = 0
+    while core.has_unfinished_requests():
+        outputs, stats = core.step()
+        metrics.on_step(outputs, stats, sched)
+        generated += sum(len(o.new_token_ids) for o in outputs)
+    s = sched.spec_stats
+    counters = metrics.snapshot()["counters"]
+    assert counters["vllm:spec_decode_num_drafts"] == s.num_drafts > 0
+    assert counters["vllm:spec_decode_num_draft_tokens"] == s.num_draft_tokens
+    assert counters["vllm:spec_decode_num_accepted_tokens"] == s.num_accepted_tokens > 0
+    assert counters["vllm:generation_tokens"] == generated == 4 * 40
+
+    config = config_to_dict(parse_config({"version": 1, "lanes": [{"name": "chat"}]}))
+    store = MetricsStore()
+    store.update_engine("r1", "chat", metrics.snapshot())
+    text = render({"store": store.view()}, config).decode()
+    found = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert found["vllm:spec_decode_num_draft_tokens_total"] == s.num_draft_tokens
+    assert found["vllm:spec_decode_num_accepted_tokens_total"] == s.num_accepted_tokens
+    assert found["vllm:spec_decode_num_drafts_total"] == s.num_drafts
