@@ -243,3 +243,38 @@ def test_live_capacity_equals_geometry(live_capacity):
         assert row["live_peak"] == geometry == simulated, row
         assert geometry[1:] == [2, 2]  # two states per state group: read and written
         assert row["leaks"] == 0
+
+
+def test_multimodal_qwen3_5_checkpoint_served_text_only(tmp_path, hybrid_dir):
+    """A Qwen3_5ForConditionalGeneration folder (language model under
+    model.language_model, a vision tower) loads text-only and says what
+    transformers' own multimodal model says for text."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from spur.actors.worker.random_models import PRESETS, hf_config
+
+    text = hf_config("qwen3_5-test").to_dict()
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=PRESETS["qwen3_5-test"]["hidden_size"],
+    )
+    config = Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(5)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    # The same language weights as the dense test model: its margins are known good.
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(hybrid_dir("qwen3_5-test"))
+    missing = hf.model.language_model.load_state_dict(dense.model.state_dict())
+    assert not missing.missing_keys
+    hf.lm_head.load_state_dict(dense.lm_head.state_dict())
+    hf.save_pretrained(tmp_path / "mm")
+    prompts = make_prompts(3, seed=11)
+    res = _generate(tmp_path / "mm", prompts, num_kv_blocks=128, block_size=8)
+    for prompt, out in zip(prompts, res["tokens"], strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + out])).logits[0]
+        assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
