@@ -50,6 +50,14 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DGGML_OPENMP=ON",
 )
+MTMD_PATCH = """
+# spur: a text-only bench never calls the multimodal encoders the server links:
+# build them unoptimized (a third of the build otherwise).
+target_compile_options(mtmd PRIVATE -O0)
+"""
+"""Appended to tools/mtmd/CMakeLists.txt: llama-server links libmtmd (image and audio
+encoders, 51 files) but a text workload never runs it; everything it does run (ggml,
+libllama, common, the server) keeps the Release flags."""
 
 
 def _cpu_flags() -> str:
@@ -65,7 +73,7 @@ def _cpu_flags() -> str:
 def build_dir(version: str = VERSION) -> Path:
     """The cache folder for this sdist version on this CPU class (may not exist yet)."""
     key = hashlib.sha256(
-        (version + " ".join(CMAKE_FLAGS) + _cpu_flags() + platform.machine()).encode()
+        (version + " ".join(CMAKE_FLAGS) + MTMD_PATCH + _cpu_flags() + platform.machine()).encode()
     ).hexdigest()[:12]
     return env.cache_dir() / "llama_cpp" / f"{version}-{key}"
 
@@ -120,6 +128,8 @@ def _fetch_source(work: Path, log: Path, version: str, sdist: Path | None) -> Pa
     roots = list(src.glob("*/vendor/llama.cpp"))
     if not roots or not (roots[0] / "tools" / "server").is_dir():
         raise RuntimeError(f"{sdist} has no vendor/llama.cpp/tools/server: not the right sdist?")
+    with (roots[0] / "tools" / "mtmd" / "CMakeLists.txt").open("a") as f:
+        f.write(MTMD_PATCH)
     return roots[0]
 
 
