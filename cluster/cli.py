@@ -15,6 +15,7 @@ one-line error with the usage and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -270,7 +271,15 @@ def json_stdout() -> TextIO:
     """Keep stdout for one JSON document: point file descriptor 1 (print, logging
     to stdout, child processes, Ray's forwarded worker log lines such as
     "(raylet) Task ... failed") at stderr, and return a stream on the original
-    stdout for the result, so that `spur ... --json | jq` always parses."""
+    stdout for the result, so that `spur ... --json | jq` always parses.
+
+    When `sys.stdout` is not file descriptor 1 (replaced or captured, as under
+    pytest or when the CLI is called as a library), it is returned as it is."""
+    try:
+        if sys.stdout.fileno() != 1:
+            return sys.stdout
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return sys.stdout
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
