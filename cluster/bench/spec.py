@@ -26,7 +26,6 @@ imported inside `run`.
 
 from __future__ import annotations
 
-import logging
 import random
 import statistics
 import sys
@@ -36,8 +35,6 @@ from typing import Any
 from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.engine import TEXT
 from spur.cluster.bench.serve import WORDS, percentile_ms
-
-logger = logging.getLogger(__name__)
 
 SENTENCES = [s.strip() + "." for s in TEXT.split(". ") if s.strip()]
 TOPICS = (
@@ -215,8 +212,13 @@ def run(
                         llm.scheduler.proposer = proposer if arm == "on" else None
                         llm.scheduler.kv.reset_prefix_cache()
                         print(f"spec bench: {workload} c={c} round {r + 1} {arm}", file=sys.stderr)
-                        arms[arm].append(drive(llm, prompts, params, c))
-                        logger.info("%s c=%d %s: %s tok/s", workload, c, arm, arms[arm][-1])
+                        res = drive(llm, prompts, params, c)
+                        arms[arm].append(res)
+                        print(
+                            f"  {res['tokens_per_s']} tok/s, {res['accepted_tokens']}/"
+                            f"{res['draft_tokens']} drafts kept, {res['steps']} steps",
+                            file=sys.stderr,
+                        )
                 level = _level(arms)
                 entry["levels"][str(c)] = level
             results[workload] = entry
