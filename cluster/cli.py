@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--seed", type=int, default=0)
     core.add_argument("--json", action="store_true")
     serve_b = bench_sub.add_parser("serve", help="HTTP path vs the offline engine, same workload")
-    serve_b.add_argument("--url", required=True, help="a running spur server")
+    serve_b.add_argument("--url", default=None, help="a running spur server (not with --peer)")
     serve_b.add_argument("--model", default=None, help="model name (default: the first lane)")
-    serve_b.add_argument("--concurrency", default="1,8,32")
+    serve_b.add_argument("--concurrency", default=None, help="default 1,8,32; --peer: 1,4,16")
     serve_b.add_argument("--requests", type=_positive, default=None, help="per level")
     serve_b.add_argument("--seed", type=int, default=0)
     serve_b.add_argument(
@@ -136,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b.add_argument(
         "--admin-key", default=None, help="admin key for /admin/* (env SPUR_ADMIN_KEY)"
     )
+    # --peer: spur serve side by side with another server, both started by the bench.
+    serve_b.add_argument("--peer", choices=["llama-cpp"], default=None, help="builds it once")
+    serve_b.add_argument("--dtypes", default="float32,bfloat16", help="--peer: spur dtypes")
+    serve_b.add_argument("--threads", type=_positive, default=2, help="--peer: CPU threads each")
+    serve_b.add_argument("--max-tokens", type=_positive, default=128, help="--peer: per request")
+    serve_b.add_argument("--config", default="local", help="--peer: spur's config (one lane)")
+    serve_b.add_argument("--llama-sdist", default=None, help="--peer: llama-cpp-python sdist")
+    serve_b.add_argument("--plot", default=None, metavar="PATH.png", help="--peer: draw it")
+    serve_b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
     )
@@ -226,7 +235,7 @@ def _observability_parsers(sub: Any) -> None:
     top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY)")
+    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY / SPUR_API_KEY)")
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -260,14 +269,14 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from spur.cluster.top import TopError, run
-    from spur.configs.env import admin_key
+    from spur.configs.env import client_api_key
 
     try:
         return run(
             args.url,
             once=args.once,
             interval_s=args.interval,
-            admin_key=args.admin_key or admin_key(),
+            admin_key=args.admin_key or client_api_key(admin=True),
         )
     except TopError as e:
         print(f"spur: error: {e}", file=sys.stderr)
@@ -499,21 +508,63 @@ def _print_capacity(r: dict[str, Any]) -> None:
         print(f"  simulation: peak {r['peak_blocks_held']} vs formula {r['geometry_blocks']}")
 
 
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(_positive(c) for c in text.split(",") if c)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--concurrency {text!r}: {e}") from None
+
+
+def _bench_peer(args: argparse.Namespace) -> Any:
+    """`bench serve --peer llama-cpp`: both servers started here (cluster/bench/peer.py)."""
+    from pathlib import Path
+
+    from spur.cluster.bench import peer
+
+    if args.url:
+        raise UsageError("--peer starts its own servers: drop --url")
+    try:
+        result = peer.run(
+            dtypes=tuple(d for d in args.dtypes.split(",") if d),
+            concurrencies=_levels(args.concurrency or "1,4,16"),
+            requests_per_level=args.requests or 64,
+            max_tokens=args.max_tokens,
+            rounds=args.rounds,
+            seed=args.seed,
+            threads=args.threads,
+            config=args.config,
+            sdist=Path(args.llama_sdist) if args.llama_sdist else None,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if args.plot:
+        result["plot"] = str(peer.plot(result, args.plot))
+    return result
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     out = json_stdout() if getattr(args, "json", False) else None
     if args.bench == "core":
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
+    elif args.bench == "serve" and args.peer:
+        result = _bench_peer(args)
     elif args.bench == "serve":
         from spur.cluster.bench import serve
         from spur.configs.env import client_api_key
 
         try:
+            if not args.url:
+                raise ValueError("give --url of a running spur server (or --peer llama-cpp)")
             result = serve.run(
                 url=args.url,
                 model=args.model,
-                concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
+                concurrencies=_levels(args.concurrency or "1,8,32"),
                 seed=args.seed,
                 requests_per_level=args.requests,
                 rounds=args.rounds,

@@ -93,6 +93,8 @@ app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/
 
 # -- module helpers ---------------------------------------------------------------------
 _TOKENIZER_LOCK = asyncio.Lock()
+"""One tokenizer load at a time: lanes warm up concurrently, and a first import of
+transformers from two threads at once can fail half-initialised."""
 
 
 def _load_tokenizer(model_dir: str) -> Any:

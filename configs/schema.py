@@ -472,8 +472,8 @@ class LaneConfig(_Section):
     at least scheduler.max_num_seqs, or batches never fill."""
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for this lane when every replica is at
-    max_ongoing_requests; beyond that the API answers 503 with Retry-After. A bound
-    is required (no unbounded queue)."""
+    max_ongoing_requests; beyond that the API answers 429 (code "queue_full") with
+    Retry-After. A bound is required (no unbounded queue)."""
     saturation_queue_threshold: int = Field(32, ge=1, le=1_000_000)
     """Waiting requests per replica beyond which the lane counts as saturated, and new
     traffic goes to the spare (when one serves this lane) until it drains."""

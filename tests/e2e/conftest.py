@@ -485,9 +485,15 @@ KEYS_TEXT = yaml.safe_dump(
 
 
 class KeyedServer:
-    def __init__(self, url: str, log_path: Path) -> None:
+    def __init__(self, url: str, log_path: Path, sid: int) -> None:
         self.url = url
         self.log_path = log_path
+        self.sid = sid
+        """Session id of the server's processes (its Ray workers included)."""
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of the server's live processes."""
+        return session_processes(self.sid)
 
     def client(self, who: str | None) -> Any:
         """An httpx client sending `who`'s key (None: no key)."""
@@ -522,7 +528,7 @@ def keyed_server(
         )
     try:
         url = wait_ready(proc, log_path, START_TIMEOUT_S)
-        yield KeyedServer(url, log_path)
+        yield KeyedServer(url, log_path, proc.pid)
     finally:
         problems = stop_server(proc, ray_tmpdir)
         shutil.rmtree(ray_tmpdir, ignore_errors=True)

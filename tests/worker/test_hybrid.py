@@ -278,3 +278,31 @@ def test_multimodal_qwen3_5_checkpoint_served_text_only(tmp_path, hybrid_dir):
         with torch.no_grad():
             logits = hf(input_ids=torch.tensor([prompt + out])).logits[0]
         assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefill_stops_at_its_last_block_boundary(caching):
+    """With state groups (and prefix caching), a prompt of 100 tokens in blocks of
+    16 prefills 96 tokens, then the 4-token tail: the state after 96 tokens is
+    kept and cacheable. Without caching there is nothing to keep: one chunk."""
+    from spur.actors.engine.executor import FakeExecutor
+    from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup, StateSpec
+    from spur.actors.engine.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+
+    groups = (
+        KVCacheGroup(FullAttentionSpec(1, 1, 2), 1),
+        KVCacheGroup(StateSpec(64), 1),
+    )
+    kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups, enable_prefix_caching=caching)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_model_len=256), kv)
+    executor = FakeExecutor(kv)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    sched.add_request(sched.make_request("a", list(range(100)), params))
+    chunks = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        chunks.append(out.num_scheduled_tokens["a"])
+        sched.update_from_output(out, executor.execute_model(out))
+    assert chunks == ([96, 4, 1] if caching else [100, 1])
+    sched.check_integrity()
