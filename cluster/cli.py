@@ -4,7 +4,7 @@
     spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core|engine|serve|routing|autoscale [--json]
+    spur bench core|engine|serve|routing|autoscale|spec [--json]
     spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
     spur top --url URL [--once] [--admin-key KEY]
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
-BENCHES = ("core", "engine", "routing", "serve", "autoscale")
+BENCHES = ("core", "engine", "routing", "serve", "autoscale", "spec")
 
 
 class UsageError(Exception):
@@ -195,6 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--upscale-delay", type=float, default=2.0)
     auto.add_argument("--downscale-delay", type=float, default=6.0)
     auto.add_argument("--json", action="store_true")
+    spec = bench_sub.add_parser(
+        "spec", help="n-gram speculative decoding on vs off (repeat and chat workloads)"
+    )
+    spec.add_argument("--model", default="SmolLM2-135M-Instruct")
+    spec.add_argument("--dtype", default="float32")
+    spec.add_argument("--concurrency", default="1,16", help="comma-separated levels")
+    spec.add_argument("--workloads", default="repeat,chat")
+    spec.add_argument("--requests", type=_positive, default=4, help="requests per level (>= c)")
+    spec.add_argument("--rounds", type=_positive, default=2)
+    spec.add_argument("--num-speculative-tokens", type=_positive, default=4)
+    spec.add_argument("--prompt-lookup-min", type=_positive, default=2)
+    spec.add_argument("--prompt-lookup-max", type=_positive, default=4)
+    spec.add_argument("--seed", type=int, default=0)
+    spec.add_argument("--max-tokens", type=_positive, default=None, help="cap every output")
+    spec.add_argument("--num-threads", type=_positive, default=None, help="torch threads")
+    spec.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
+    spec.add_argument("--json", action="store_true")
     _observability_parsers(sub)
     return parser
 
@@ -624,6 +641,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         except RuntimeError as e:
             raise UsageError(f"the autoscale benchmark could not run: {e}") from None
+    elif args.bench == "spec":
+        from spur.cluster.bench import spec
+
+        try:
+            result = spec.run(
+                model=args.model,
+                dtype=args.dtype,
+                concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
+                workloads=tuple(w for w in args.workloads.split(",") if w),
+                requests=args.requests,
+                rounds=args.rounds,
+                num_speculative_tokens=args.num_speculative_tokens,
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+                seed=args.seed,
+                quick=args.quick,
+                max_tokens=args.max_tokens,
+                num_threads=args.num_threads,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
     if out is not None:

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spur.cluster.bench.cpu import cpu_info
+
 # Written for this benchmark; any English prose of a few hundred tokens would do.
 TEXT = (
     "The harbour town woke slowly on the first cold morning of autumn. Fishing boats that "
@@ -459,6 +461,7 @@ def run(
         "hf_batch_size": batch_size,
         "torch_num_threads": hf.torch_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_info(),
         "results": results,
         "process_max_rss_bytes": hf.max_rss_bytes(),
     }

@@ -144,3 +144,33 @@ def test_smollm2_greedy_is_identical_with_and_without_speculation():
         assert comps[3].num_draft_tokens == 0  # logprobs: never drafts
         assert [c.logprobs is not None for c in comps] == [False, False, False, True]
     assert all(c.num_draft_tokens == 0 for c in outs["plain"])
+
+
+def test_sampled_requests_verify_drafts_on_a_tiny_model(tiny_model_dir):
+    """Random (seeded) and greedy requests drafting side by side in one batch on
+    the real worker: every request gets its full length, drafts were verified
+    (some kept, some rejected), and the pool and sampler state end clean."""
+    from spur.actors.llm import LLM
+
+    llm = LLM(str(tiny_model_dir("llama")), block_size=4, num_speculative_tokens=3)
+    try:
+        cycle = [5, 17, 42, 9, 33, 71, 8, 21]
+        prompts = [cycle * 6, cycle[::-1] * 5, [3, 4] * 10]
+        params = [
+            SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=1.3, top_k=20, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+        ]
+        outs = llm.generate(prompts, params)
+        llm.scheduler.check_integrity()
+        kv = llm.scheduler.kv
+        assert kv.num_free_blocks == kv.pool.num_blocks - 1
+        assert kv.leaks.num_violations == 0
+        llm.executor.worker.runner.sampler_state.check_integrity()  # one in-process worker
+    finally:
+        llm.shutdown()
+    comps = [o.outputs[0] for o in outs]
+    assert [len(c.token_ids) for c in comps] == [30, 30, 30]
+    stats = llm.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert sum(c.num_draft_tokens for c in comps) == stats.num_draft_tokens
