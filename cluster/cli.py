@@ -4,7 +4,7 @@
     spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core|engine|serve|routing [--json]
+    spur bench core|engine|serve|routing|autoscale [--json]
     spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
     spur top --url URL [--once] [--admin-key KEY]
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
-BENCHES = ("core", "engine", "routing", "serve")
+BENCHES = ("core", "engine", "routing", "serve", "autoscale")
 
 
 class UsageError(Exception):
@@ -170,11 +170,30 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default="SmolLM2-135M-Instruct")
     engine.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
     engine.add_argument(
+        "--prefix-hit",
+        type=int,
+        default=None,
+        help="also time a prefill with a cached prefix of N tokens vs cold "
+        "(default: 2048 for --model hybrid, else 0)",
+    )
+    engine.add_argument(
         "--matmul-floor",
         action="store_true",
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
     )
     engine.add_argument("--json", action="store_true")
+    auto = bench_sub.add_parser(
+        "autoscale", help="step load on a lane autoscaling 1 -> 2 replicas on fake Ray nodes"
+    )
+    auto.add_argument("--model", default="SmolLM2-135M-Instruct")
+    auto.add_argument("--low", type=_positive, default=2, help="streams of the low load")
+    auto.add_argument("--high", type=_positive, default=16, help="streams of the high load")
+    auto.add_argument("--low-seconds", type=float, default=10.0)
+    auto.add_argument("--high-hold-seconds", type=float, default=20.0)
+    auto.add_argument("--max-tokens", type=_positive, default=48)
+    auto.add_argument("--upscale-delay", type=float, default=2.0)
+    auto.add_argument("--downscale-delay", type=float, default=6.0)
+    auto.add_argument("--json", action="store_true")
     _observability_parsers(sub)
     return parser
 
@@ -199,7 +218,7 @@ def _observability_parsers(sub: Any) -> None:
     top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY)")
+    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY / SPUR_API_KEY)")
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -233,14 +252,14 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from spur.cluster.top import TopError, run
-    from spur.configs.env import admin_key
+    from spur.configs.env import client_api_key
 
     try:
         return run(
             args.url,
             once=args.once,
             interval_s=args.interval,
-            admin_key=args.admin_key or admin_key(),
+            admin_key=args.admin_key or client_api_key(admin=True),
         )
     except TopError as e:
         print(f"spur: error: {e}", file=sys.stderr)
@@ -574,7 +593,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model=args.model,
             quick=args.quick,
             matmul_floor=args.matmul_floor,
+            prefix_hit_tokens=(
+                args.prefix_hit
+                if args.prefix_hit is not None
+                else (2048 if args.model == "hybrid" else 0)
+            ),
         )
+    elif args.bench == "autoscale":
+        from spur.cluster.bench import autoscale
+
+        try:
+            result = autoscale.run(
+                model=args.model,
+                low=args.low,
+                high=args.high,
+                low_s=args.low_seconds,
+                high_hold_s=args.high_hold_seconds,
+                max_tokens=args.max_tokens,
+                upscale_delay_s=args.upscale_delay,
+                downscale_delay_s=args.downscale_delay,
+            )
+        except RuntimeError as e:
+            raise UsageError(f"the autoscale benchmark could not run: {e}") from None
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
     if out is not None:

@@ -57,11 +57,6 @@ def test_settings_allowed() -> bool:
     return os.environ.get("SPUR_ALLOW_TEST_SETTINGS", "") == "1"
 
 
-def admin_key() -> str | None:
-    """`SPUR_ADMIN_KEY`: the admin API key `spur top` sends (--admin-key wins)."""
-    return os.environ.get("SPUR_ADMIN_KEY") or None
-
-
 def grafana_token() -> str | None:
     """`SPUR_GRAFANA_TOKEN`: the Grafana token `spur dashboards push` uses (--token wins)."""
     return os.environ.get("SPUR_GRAFANA_TOKEN") or None
