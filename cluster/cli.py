@@ -541,9 +541,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from spur.cluster.bench import serve
         from spur.configs.env import client_api_key
 
+        if not args.url:
+            raise UsageError("give --url of a running spur server (or --peer llama-cpp)")
         try:
-            if not args.url:
-                raise ValueError("give --url of a running spur server (or --peer llama-cpp)")
             result = serve.run(
                 url=args.url,
                 model=args.model,

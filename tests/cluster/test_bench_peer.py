@@ -175,3 +175,21 @@ def test_real_llama_server(tmp_path: Path) -> None:
     assert summary["generated_tokens"] == 4 * 16  # ignore_eos holds on llama-server too
     assert summary["ttft_ms_p50"] is not None and summary["itl_ms_p50"] is not None
     assert server.proc.poll() is not None  # stopped with its context
+
+
+def test_cli_misuse_is_a_usage_error() -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "spur.cluster.cli", "bench", "serve", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    res = run("--json")
+    assert res.returncode == 2 and "give --url" in res.stderr
+    res = run("--peer", "llama-cpp", "--url", "http://127.0.0.1:1")
+    assert res.returncode == 2 and "drop --url" in res.stderr
+    # Checked before anything is built or started.
+    res = run("--peer", "llama-cpp", "--dtypes", "float16", "--json")
+    assert res.returncode == 2 and "no llama.cpp pairing" in res.stderr
+    assert res.stdout == "" and "Traceback" not in res.stderr
