@@ -118,6 +118,22 @@ def test_build_dir_is_keyed_and_missing_tools_name_the_fix(
         llama_build.ensure_built()
 
 
+def test_an_interrupted_build_is_found_to_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    out = llama_build.build_dir()
+    assert llama_build._interrupted(out) is None
+    other = out.parent / f"{llama_build.VERSION}-0123456789ab.x1"  # another CPU's or flags' build
+    other.mkdir(parents=True)
+    (other / "key").write_text(other.name.split(".x1")[0])
+    assert llama_build._interrupted(out) is None
+    mine = out.parent / f"{out.name}.abc"
+    mine.mkdir()
+    (mine / "key").write_text(out.name)
+    assert llama_build._interrupted(out) == mine
+
+
 def test_plot_draws_both_servers(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the bench extra (and the test extra) has it")
     levels = [
