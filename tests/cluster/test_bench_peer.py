@@ -209,3 +209,36 @@ def test_cli_misuse_is_a_usage_error() -> None:
     res = run("--peer", "llama-cpp", "--dtypes", "float16", "--json")
     assert res.returncode == 2 and "no llama.cpp pairing" in res.stderr
     assert res.stdout == "" and "Traceback" not in res.stderr
+
+
+def test_plot_draws_a_plain_serve_result(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (and the test extra) has it")
+    from spur.cluster.bench import plot
+
+    levels = [
+        {
+            "serve": {"concurrency": c, "tokens_per_s": 9.0 * c, "ttft_ms_p50": 50.0 * c,
+                      "ttft_ms_p99": 90.0 * c},
+            "offline": {"concurrency": c, "tokens_per_s": 10.0 * c},
+            "serve_over_offline": 0.9,
+        }
+        for c in (1, 8, 32)
+    ]  # fmt: skip
+    out = plot.draw({"bench": "serve", "model": "chat", "levels": levels}, tmp_path / "s.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bars_count_requests_and_stay_off_stdout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from spur.cluster.bench.progress import progress_bars
+
+    with progress_bars(True, per_arm=3) as bars:
+        advance = bars.arm("c=1 round 1 spur")
+        for _ in range(3):
+            advance()
+        task = bars._progress.tasks[0]
+        assert (task.completed, task.total) == (3, 3)
+    assert capsys.readouterr().out == ""
+    with progress_bars(False) as bars:
+        bars.arm("nothing")()  # disabled: callable, does nothing
