@@ -50,7 +50,9 @@ def start(cfg: SpurConfig) -> str:
     if server.embedded_ray:
         # Autoscaling stats reach Serve's controller every second (default 10 s).
         os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    serve.start(http_options={"host": server.host, "port": server.port})
+    # Proxies on the head only: the URL announced is the head's, and a proxy on an
+    # engine node would go (cutting its connections) when the autoscaler removes the node.
+    serve.start(http_options={"host": server.host, "port": server.port}, proxy_location="HeadOnly")
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
     return server.url
 

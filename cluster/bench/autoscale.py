@@ -90,7 +90,13 @@ def autoscale_config(
             }
         ],
         "router": {"stats_period_s": 0.5},
-        "server": {"host": "127.0.0.1", "port": port, "ray_address": address},
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "ray_address": address,
+            # The API stays on the head: worker nodes come and go.
+            "ingress_resources": {"node:__internal_head__": 0.001},
+        },
     }
 
 
