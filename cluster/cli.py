@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b.add_argument("--max-tokens", type=_positive, default=128, help="--peer: per request")
     serve_b.add_argument("--config", default="local", help="--peer: spur's config (one lane)")
     serve_b.add_argument("--llama-sdist", default=None, help="--peer: llama-cpp-python sdist")
-    serve_b.add_argument("--plot", default=None, metavar="PATH.png", help="--peer: draw it")
+    serve_b.add_argument("--plot", default=None, metavar="PATH.png", help="draw the result")
     serve_b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
@@ -524,6 +524,18 @@ def _levels(text: str) -> tuple[int, ...]:
         raise UsageError(f"--concurrency {text!r}: {e}") from None
 
 
+def _plot_ready() -> bool:
+    """matplotlib is there (checked before a long bench, not after it)."""
+    from spur.cluster.bench import plot
+
+    try:
+        plot.pyplot()
+    except RuntimeError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _bench_peer(args: argparse.Namespace) -> Any:
     """`bench serve --peer llama-cpp`: both servers started here (cluster/bench/peer.py)."""
     from pathlib import Path
@@ -550,8 +562,6 @@ def _bench_peer(args: argparse.Namespace) -> Any:
     except RuntimeError as e:
         print(f"spur: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if args.plot:
-        result["plot"] = str(peer.plot(result, args.plot))
     return result
 
 
@@ -561,15 +571,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
+    elif args.bench == "serve" and args.plot and not _plot_ready():
+        return 1
     elif args.bench == "serve" and args.peer:
         result = _bench_peer(args)
     elif args.bench == "serve":
         from spur.cluster.bench import serve
         from spur.configs.env import client_api_key
 
+        if not args.url:
+            raise UsageError("give --url of a running spur server (or --peer llama-cpp)")
         try:
-            if not args.url:
-                raise ValueError("give --url of a running spur server (or --peer llama-cpp)")
             result = serve.run(
                 url=args.url,
                 model=args.model,
@@ -580,6 +592,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 baseline_url=args.baseline_url,
                 api_key=args.api_key or client_api_key(),
                 admin_key=args.admin_key or client_api_key(admin=True),
+                progress=not args.no_progress,
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
@@ -664,6 +677,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
+    if args.bench == "serve" and args.plot:
+        from spur.cluster.bench import plot
+
+        result["plot"] = str(plot.draw(result, args.plot))
     if out is not None:
         print_json(out, result)
     else:

@@ -12,8 +12,11 @@ class it was built for).
 `ensure_built()` is the one entry: it returns the bin folder, building if needed,
 and raises RuntimeError naming the fix when pip, cmake, ninja or a C++ compiler is
 missing or the build fails (the tail of the build log is in the message).
-A full build on two loaded cores takes 10 to 20 minutes; the lock file makes a
-second caller wait for the first instead of building twice.
+A full build takes a few minutes on a free 16-core machine and hours on two
+cores shared with other work; the lock file makes a second caller wait for the
+first instead of building twice, and a build that was stopped (killed, or failed)
+resumes where it stopped on the next call (its work folder is kept until the
+binaries are published).
 """
 
 from __future__ import annotations
@@ -133,6 +136,16 @@ def _fetch_source(work: Path, log: Path, version: str, sdist: Path | None) -> Pa
     return roots[0]
 
 
+def _interrupted(out: Path) -> Path | None:
+    """The work folder of an earlier build of `out` that stopped before publishing
+    (killed, or failed): ninja resumes it where it stopped. Callers hold the lock."""
+    for work in sorted(out.parent.glob(f"{out.name.split('-')[0]}-*.*")):
+        key = work / "key"
+        if work.is_dir() and key.exists() and key.read_text().strip() == out.name:
+            return work
+    return None
+
+
 def ensure_built(
     version: str = VERSION, sdist: Path | None = None, jobs: int | None = None
 ) -> Path:
@@ -158,14 +171,20 @@ def ensure_built(
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent caller waits, then finds the build
         if binaries(version):
             return out / "bin"
-        work = Path(tempfile.mkdtemp(prefix=f"{out.name}.", dir=out.parent))
+        work = _interrupted(out)
+        if work is None:
+            work = Path(tempfile.mkdtemp(prefix=f"{out.name}.", dir=out.parent))
+            (work / "key").write_text(out.name)
         log = work / "build.log"
-        logger.warning("building llama.cpp %s (%s); log: %s", version, ", ".join(TARGETS), log)
-        root = _fetch_source(work, log, version, sdist)
         build = work / "build"
-        cmd = [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja"]
-        cmd += [f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_CXX_COMPILER={cxx}"]
-        _run([*cmd, *CMAKE_FLAGS], log)
+        if (build / "build.ninja").exists():
+            logger.warning("resuming the llama.cpp build in %s; log: %s", work, log)
+        else:
+            logger.warning("building llama.cpp %s (%s); log: %s", version, ", ".join(TARGETS), log)
+            root = _fetch_source(work, log, version, sdist)
+            cmd = [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja"]
+            cmd += [f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_CXX_COMPILER={cxx}"]
+            _run([*cmd, *CMAKE_FLAGS], log)
         jobs = jobs or os.cpu_count() or 1
         _run([cmake, "--build", str(build), "-j", str(jobs), "--target", *TARGETS], log)
         bin_dir = work / "bin"

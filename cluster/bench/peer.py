@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
 
 logger = logging.getLogger(__name__)
@@ -439,7 +440,8 @@ def run(
         "pairings": [],
     }
     total = len(dtypes) * len(concurrencies) * rounds * 2
-    with _progress(progress, total, requests_per_level) as bar:
+    with progress_bars(progress, requests_per_level) as bar:
+        bar.status(f"{total} arms of {requests_per_level} requests")
         for dtype in dtypes:
             gguf = requantize(bin_dir / "llama-quantize", src, GGUF_TYPES[dtype], models)
             with tempfile.TemporaryDirectory(prefix="spur-peer-bench-") as tmp:
@@ -491,52 +493,13 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _Bar:
-    """Progress on stderr: one bar per arm of a level (rich), or nothing."""
-
-    def __init__(self, progress: Any, per_arm: int) -> None:
-        self._progress = progress
-        self._per_arm = per_arm
-        self._task: Any = None
-
-    def status(self, text: str) -> None:
-        if self._progress is not None:
-            self._progress.console.log(text)
-
-    def arm(self, label: str) -> Callable[[], None]:
-        if self._progress is None:
-            return lambda: None
-        if self._task is not None:
-            self._progress.update(self._task, visible=True)
-        task = self._progress.add_task(label, total=self._per_arm)
-        self._task = task
-        return lambda: self._progress.advance(task)
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, total_arms: int, per_arm: int) -> Iterator[_Bar]:
-    if not enabled:
-        yield _Bar(None, per_arm)
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True)) as progress:
-        progress.console.log(f"{total_arms} arms of {per_arm} requests")
-        yield _Bar(progress, per_arm)
-
-
 def plot(result: dict[str, Any], path: str | Path) -> Path:
     """Draw tokens/s and TTFT p50/p99 against concurrency, spur and llama.cpp side
     by side, one row per dtype pairing, into a PNG at `path` (needs matplotlib:
     the `bench` extra). Returns the path."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'spur[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from spur.cluster.bench.plot import pyplot
+
+    plt = pyplot()
 
     pairings = result["pairings"]
     fig, axes = plt.subplots(len(pairings), 2, figsize=(11, 3.6 * len(pairings)), squeeze=False)

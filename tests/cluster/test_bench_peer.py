@@ -118,6 +118,22 @@ def test_build_dir_is_keyed_and_missing_tools_name_the_fix(
         llama_build.ensure_built()
 
 
+def test_an_interrupted_build_is_found_to_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    out = llama_build.build_dir()
+    assert llama_build._interrupted(out) is None
+    other = out.parent / f"{llama_build.VERSION}-0123456789ab.x1"  # another CPU's or flags' build
+    other.mkdir(parents=True)
+    (other / "key").write_text(other.name.split(".x1")[0])
+    assert llama_build._interrupted(out) is None
+    mine = out.parent / f"{out.name}.abc"
+    mine.mkdir()
+    (mine / "key").write_text(out.name)
+    assert llama_build._interrupted(out) == mine
+
+
 def test_plot_draws_both_servers(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the bench extra (and the test extra) has it")
     levels = [
@@ -175,3 +191,54 @@ def test_real_llama_server(tmp_path: Path) -> None:
     assert summary["generated_tokens"] == 4 * 16  # ignore_eos holds on llama-server too
     assert summary["ttft_ms_p50"] is not None and summary["itl_ms_p50"] is not None
     assert server.proc.poll() is not None  # stopped with its context
+
+
+def test_cli_misuse_is_a_usage_error() -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "spur.cluster.cli", "bench", "serve", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    res = run("--json")
+    assert res.returncode == 2 and "give --url" in res.stderr
+    res = run("--peer", "llama-cpp", "--url", "http://127.0.0.1:1")
+    assert res.returncode == 2 and "drop --url" in res.stderr
+    # Checked before anything is built or started.
+    res = run("--peer", "llama-cpp", "--dtypes", "float16", "--json")
+    assert res.returncode == 2 and "no llama.cpp pairing" in res.stderr
+    assert res.stdout == "" and "Traceback" not in res.stderr
+
+
+def test_plot_draws_a_plain_serve_result(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (and the test extra) has it")
+    from spur.cluster.bench import plot
+
+    levels = [
+        {
+            "serve": {"concurrency": c, "tokens_per_s": 9.0 * c, "ttft_ms_p50": 50.0 * c,
+                      "ttft_ms_p99": 90.0 * c},
+            "offline": {"concurrency": c, "tokens_per_s": 10.0 * c},
+            "serve_over_offline": 0.9,
+        }
+        for c in (1, 8, 32)
+    ]  # fmt: skip
+    out = plot.draw({"bench": "serve", "model": "chat", "levels": levels}, tmp_path / "s.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bars_count_requests_and_stay_off_stdout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from spur.cluster.bench.progress import progress_bars
+
+    with progress_bars(True, per_arm=3) as bars:
+        advance = bars.arm("c=1 round 1 spur")
+        for _ in range(3):
+            advance()
+        task = bars._progress.tasks[0]
+        assert (task.completed, task.total) == (3, 3)
+    assert capsys.readouterr().out == ""
+    with progress_bars(False) as bars:
+        bars.arm("nothing")()  # disabled: callable, does nothing
