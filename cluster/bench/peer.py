@@ -37,7 +37,6 @@ import itertools
 import json
 import logging
 import os
-import platform
 import random
 import shutil
 import signal
@@ -54,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
 
@@ -82,19 +82,6 @@ def chat_workload(n: int, seed: int) -> list[list[dict[str, str]]]:
         text = f"Here are some notes: {context}. Now write a long story about {topic}."
         out.append([{"role": "user", "content": text}])
     return out
-
-
-def cpu_info() -> dict[str, Any]:
-    """The CPU model and the flags that decide the fast matmul paths."""
-    model, flags = platform.processor() or platform.machine(), set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")) and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"model": model, "cores": os.cpu_count(), **{f: f in flags for f in wanted}}
 
 
 def free_port() -> int:
