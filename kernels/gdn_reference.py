@@ -151,13 +151,17 @@ def build_gdn_metadata(
         raise ValueError("state slots must be >= 0: give every sequence a slot (padding: any free)")
     if len(set(dst)) != n:
         raise ValueError(f"dst_slots must be distinct, got {dst}: give each sequence its own block")
+    readers: dict[int, list[int]] = {}  # slot -> sequences reading it (several may share one)
+    for j, s in enumerate(src_slots):
+        if has_initial_state[j]:
+            readers.setdefault(s, []).append(j)
     for i, d in enumerate(dst):
-        for j, s in enumerate(src_slots):
-            if i != j and d == s and has_initial_state[j]:
-                raise ValueError(
-                    f"sequence {i} writes slot {d} that sequence {j} reads: copy the state "
-                    "first or choose another destination block"
-                )
+        others = [j for j in readers.get(d, ()) if j != i]
+        if others:
+            raise ValueError(
+                f"sequence {i} writes slot {d} that sequence {others[0]} reads: copy the state "
+                "first or choose another destination block"
+            )
     qsl = torch.zeros(n + 1, dtype=torch.int32)
     if n:
         qsl[1:] = torch.cumsum(torch.tensor(list(query_lens), dtype=torch.int64), 0)

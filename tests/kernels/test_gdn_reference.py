@@ -233,6 +233,8 @@ def test_metadata_rejects_racing_slots():
     # A sequence without initial state reads nothing: its src slot may be someone's dst.
     meta = build_gdn_metadata([3, 1], [0, 1], [True, False], [1, 2])
     assert meta.query_start_loc_cpu.tolist() == [0, 3, 4] and meta.max_query_len == 3
+    # Two requests continuing from one cached state (a shared prefix) read the same slot.
+    build_gdn_metadata([2, 2], [5, 5], [True, True], [1, 2])
 
 
 def test_varlen_shape_errors_name_the_fix():
@@ -257,3 +259,46 @@ def test_package_dispatch_runs_the_reference_on_cpu():
     out = causal_conv1d_varlen(x, weight, bias, pools[0], meta, backend="torch")
     want = causal_conv1d_varlen_ref(x, weight, bias, pools[1], meta)
     assert torch.equal(out, want) and torch.equal(*pools)
+
+
+def test_gdn_layer_from_our_ops_equals_transformers_layer():
+    """transformers' Qwen3NextGatedDeltaNet over 12 tokens at once == the same layer
+    run through our varlen ops in steps (a 5-token prefill, 3 decodes that copy-on-write
+    into a new block, a 4-token chunk), states kept only in the pools between steps."""
+    from transformers import Qwen3NextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(
+        hidden_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        num_hidden_layers=1, layer_types=["linear_attention"], vocab_size=16,
+    )  # fmt: skip
+    layer = hf.Qwen3NextGatedDeltaNet(cfg, 0).eval()
+    hidden = torch.randn(1, 12, 32)
+    with torch.no_grad():
+        want = layer(hidden)[0]  # [12, 32], no cache: one chunked pass
+        qkvz, ba = layer.in_proj_qkvz(hidden), layer.in_proj_ba(hidden)
+        q, k, v, z, b, a = (t[0] for t in layer.fix_query_key_value_ordering(qkvz, ba))
+        mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)  # [12, conv_dim]
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+        conv_pool = torch.full((4, 3, mixed.shape[1]), float("nan"))  # unread slots stay NaN
+        ssm_pool = torch.full((4, 4, 16, 16), float("nan"))
+        outs, pos = [], 0
+        # (tokens, src slot, dst slot, has_initial_state)
+        for n, src, dst, init in [(5, 1, 1, False), (1, 1, 2, True), (1, 2, 2, True),
+                                  (1, 2, 2, True), (4, 2, 3, True)]:  # fmt: skip
+            meta = build_gdn_metadata([n], [src], [init], [dst])
+            rows = slice(pos, pos + n)
+            x = causal_conv1d_varlen_ref(
+                mixed[rows], layer.conv1d.weight[:, 0], None, conv_pool, meta, "silu"
+            )
+            qc, kc, vc = x.split([32, 32, 64], dim=-1)
+            core = gated_delta_rule_varlen_ref(
+                qc.reshape(n, 2, 16), kc.reshape(n, 2, 16), vc.reshape(n, 4, 16),
+                g[rows], b[rows].sigmoid(), ssm_pool, meta,
+            )  # fmt: skip
+            normed = layer.norm(core.reshape(-1, 16), z[rows].reshape(-1, 16))
+            outs.append(layer.out_proj(normed.reshape(n, 64)))
+            pos += n
+    torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
+    assert conv_pool[0].isnan().all() and ssm_pool[0].isnan().all()

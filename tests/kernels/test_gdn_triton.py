@@ -150,8 +150,23 @@ def gdn_long_prefill_only_and_decode_only_steps():
     state = torch.randn((4, 2, 16, 16), generator=gen)
     meta = build_gdn_metadata([40], [2], [True], [3])
     _compare_gdn((q, k, v, g, beta), state, atol=3e-5, meta=meta)
-    meta = build_gdn_metadata([1, 1, 1], [0, 1, 2], [True, True, False])
+    # Two decodes continue from one shared state (slot 0) into their own blocks.
+    meta = build_gdn_metadata([1, 1, 1], [0, 0, 2], [True, True, False], [1, 3, 2])
     _compare_gdn((q[:3], k[:3], v[:3], g[:3], beta[:3]), state, atol=2e-5, meta=meta)
+
+
+@check
+def gdn_default_chunk_64():
+    # The default chunk size (what serving runs): a 70-token prefill = 64 + a 6-row tail.
+    from spur.kernels.gdn_reference import build_gdn_metadata
+
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.randn((70, 1, 16), generator=gen), torch.randn((70, 1, 16), generator=gen)
+    v, g = torch.randn((70, 1, 16), generator=gen), -torch.rand((70, 1), generator=gen)
+    beta = torch.rand((70, 1), generator=gen)
+    state = torch.randn((2, 1, 16, 16), generator=gen)
+    meta = build_gdn_metadata([70], [0], [True], [1])
+    _compare_gdn((q, k, v, g, beta), state, atol=3e-5, chunk_size=64, meta=meta, methods=("auto",))
 
 
 def _conv_case(conv_dim, kernel, *, pad=2, seed=0, dtype=torch.float32, strided=False):
@@ -390,7 +405,6 @@ def test_gpu_gdn_matches_reference(dtype):
     )
     from spur.kernels.gdn_triton import gated_delta_rule_varlen_triton
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator().manual_seed(0)
     lens = [300, 1, 1, 129, 64, 1, 0, 17]
     meta = build_gdn_metadata(lens, list(range(8)), [i % 2 == 0 for i in range(8)],
