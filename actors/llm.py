@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
+from spur.actors.engine.chat_template import chat_token_ids
 from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
@@ -66,14 +67,13 @@ class LLM:
         return list(prompt)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat, with the tokenizer's chat template."""
+        """Token ids of a chat, with the tokenizer's chat template (ending with the
+        assistant's turn opener). Raises ValueError (ChatTemplateError) when the
+        model has no template or it refuses the messages."""
         if self.tokenizer is None:
             raise ValueError(f"{self.info.model_dir} has no tokenizer: chat needs one")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
         # The template already holds the special tokens (BOS, role markers).
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
 
     # -- generation ---------------------------------------------------------------------
     def _add(self, prompt: Prompt, params: SamplingParams, processor: OutputProcessor) -> str:

@@ -66,6 +66,15 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
             if engine.runtime.test_leak_blocks_per_step
             else {}
         ),
+        **(
+            {
+                "num_speculative_tokens": engine.speculative.num_speculative_tokens,
+                "prompt_lookup_min": engine.speculative.prompt_lookup_min,
+                "prompt_lookup_max": engine.speculative.prompt_lookup_max,
+            }
+            if engine.speculative is not None
+            else {}
+        ),
     }
 
 

@@ -4,7 +4,7 @@
     spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core|engine|serve|routing [--json]
+    spur bench core|engine|serve|routing|autoscale [--json]
     spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
     spur top --url URL [--once] [--admin-key KEY]
 
@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
-BENCHES = ("core", "engine", "routing", "serve")
+BENCHES = ("core", "engine", "routing", "serve", "autoscale")
 
 
 class UsageError(Exception):
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     diff = cfg_sub.add_parser("diff", help="where a file and a running deployment differ")
     diff.add_argument("config", help="config file or preset name")
     diff.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
+    diff.add_argument(
+        "--api-key", default=None, help="admin key of a server with keys (env SPUR_ADMIN_KEY)"
+    )
 
     gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal")
     gen.add_argument("--model", default="SmolLM2-135M-Instruct", help="folder, .gguf or demo name")
@@ -111,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--seed", type=int, default=0)
     core.add_argument("--json", action="store_true")
     serve_b = bench_sub.add_parser("serve", help="HTTP path vs the offline engine, same workload")
-    serve_b.add_argument("--url", required=True, help="a running spur server")
+    serve_b.add_argument("--url", default=None, help="a running spur server (not with --peer)")
     serve_b.add_argument("--model", default=None, help="model name (default: the first lane)")
-    serve_b.add_argument("--concurrency", default="1,8,32")
+    serve_b.add_argument("--concurrency", default=None, help="default 1,8,32; --peer: 1,4,16")
     serve_b.add_argument("--requests", type=_positive, default=None, help="per level")
     serve_b.add_argument("--seed", type=int, default=0)
     serve_b.add_argument(
@@ -128,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare against this second server over HTTP instead of the offline engine",
     )
     serve_b.add_argument("--json", action="store_true")
+    serve_b.add_argument("--api-key", default=None, help="API key (env SPUR_API_KEY)")
+    serve_b.add_argument(
+        "--admin-key", default=None, help="admin key for /admin/* (env SPUR_ADMIN_KEY)"
+    )
+    # --peer: spur serve side by side with another server, both started by the bench.
+    serve_b.add_argument("--peer", choices=["llama-cpp"], default=None, help="builds it once")
+    serve_b.add_argument("--dtypes", default="float32,bfloat16", help="--peer: spur dtypes")
+    serve_b.add_argument("--threads", type=_positive, default=2, help="--peer: CPU threads each")
+    serve_b.add_argument("--max-tokens", type=_positive, default=128, help="--peer: per request")
+    serve_b.add_argument("--config", default="local", help="--peer: spur's config (one lane)")
+    serve_b.add_argument("--llama-sdist", default=None, help="--peer: llama-cpp-python sdist")
+    serve_b.add_argument("--plot", default=None, metavar="PATH.png", help="--peer: draw it")
+    serve_b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
     )
@@ -165,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
     )
     engine.add_argument("--json", action="store_true")
+    auto = bench_sub.add_parser(
+        "autoscale", help="step load on a lane autoscaling 1 -> 2 replicas on fake Ray nodes"
+    )
+    auto.add_argument("--model", default="SmolLM2-135M-Instruct")
+    auto.add_argument("--low", type=_positive, default=2, help="streams of the low load")
+    auto.add_argument("--high", type=_positive, default=16, help="streams of the high load")
+    auto.add_argument("--low-seconds", type=float, default=10.0)
+    auto.add_argument("--high-hold-seconds", type=float, default=20.0)
+    auto.add_argument("--max-tokens", type=_positive, default=48)
+    auto.add_argument("--upscale-delay", type=float, default=2.0)
+    auto.add_argument("--downscale-delay", type=float, default=6.0)
+    auto.add_argument("--json", action="store_true")
     _observability_parsers(sub)
     return parser
 
@@ -189,7 +218,7 @@ def _observability_parsers(sub: Any) -> None:
     top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY)")
+    top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY / SPUR_API_KEY)")
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -223,18 +252,34 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from spur.cluster.top import TopError, run
-    from spur.configs.env import admin_key
+    from spur.configs.env import client_api_key
 
     try:
         return run(
             args.url,
             once=args.once,
             interval_s=args.interval,
-            admin_key=args.admin_key or admin_key(),
+            admin_key=args.admin_key or client_api_key(admin=True),
         )
     except TopError as e:
         print(f"spur: error: {e}", file=sys.stderr)
         return 1
+
+
+def json_stdout() -> TextIO:
+    """Keep stdout for one JSON document: point file descriptor 1 (print, logging
+    to stdout, child processes, Ray's forwarded worker log lines such as
+    "(raylet) Task ... failed") at stderr, and return a stream on the original
+    stdout for the result, so that `spur ... --json | jq` always parses."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(saved, "w", encoding="utf-8")
+
+
+def print_json(out: TextIO, result: Any) -> None:
+    out.write(json.dumps(result, indent=2) + "\n")
+    out.flush()
 
 
 def _load(path: str) -> Any:
@@ -261,8 +306,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    from spur.cluster.auth import AuthConfigError, is_loopback, load_keys
     from spur.cluster.server import run_server
 
+    try:  # the ingress reads them again in its own process; fail early here
+        keys = load_keys(cfg.server.auth.model_dump())
+    except AuthConfigError as e:
+        raise UsageError(str(e)) from None
+    if keys:
+        roles = sum(1 for e in keys.entries if e.admin)
+        print(f"API keys: {len(keys) - roles} API key(s), {roles} admin key(s)", file=sys.stderr)
+    elif not is_loopback(cfg.server.host):
+        print(
+            f"spur: warning: serving on {cfg.server.host} without API keys: anyone who can "
+            "reach this port can use the API and /admin/*; set keys in "
+            f"${cfg.server.auth.keys_env or 'SPUR_API_KEYS'} or server.auth.keys_file "
+            "(README: Security)",
+            file=sys.stderr,
+        )
     print("effective configuration:")
     print(to_yaml(cfg))
     return run_server(cfg, announce=lambda url: print(f"spur is serving at {url}/v1", flush=True))
@@ -279,10 +340,14 @@ def cmd_config(args: argparse.Namespace) -> int:
         import urllib.error
         import urllib.request
 
+        from spur.configs.env import client_api_key
+
         cfg = _load(args.config)
         url = args.url.rstrip("/") + "/admin/config"
+        key = args.api_key or client_api_key(admin=True)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), 10) as resp:
                 live = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise UsageError(f"cannot read the live config at {url}: {e}") from None
@@ -405,7 +470,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         result["peak_blocks_held"] = sim.peak_blocks_held
         result["geometry_blocks"] = sim.geometry_blocks
     if args.json:
-        print(json.dumps(result, indent=2))
+        print_json(json_stdout(), result)
     else:
         _print_capacity(result)
     return 0
@@ -426,23 +491,69 @@ def _print_capacity(r: dict[str, Any]) -> None:
         print(f"  simulation: peak {r['peak_blocks_held']} vs formula {r['geometry_blocks']}")
 
 
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(_positive(c) for c in text.split(",") if c)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--concurrency {text!r}: {e}") from None
+
+
+def _bench_peer(args: argparse.Namespace) -> Any:
+    """`bench serve --peer llama-cpp`: both servers started here (cluster/bench/peer.py)."""
+    from pathlib import Path
+
+    from spur.cluster.bench import peer
+
+    if args.url:
+        raise UsageError("--peer starts its own servers: drop --url")
+    try:
+        result = peer.run(
+            dtypes=tuple(d for d in args.dtypes.split(",") if d),
+            concurrencies=_levels(args.concurrency or "1,4,16"),
+            requests_per_level=args.requests or 64,
+            max_tokens=args.max_tokens,
+            rounds=args.rounds,
+            seed=args.seed,
+            threads=args.threads,
+            config=args.config,
+            sdist=Path(args.llama_sdist) if args.llama_sdist else None,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if args.plot:
+        result["plot"] = str(peer.plot(result, args.plot))
+    return result
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    out = json_stdout() if getattr(args, "json", False) else None
     if args.bench == "core":
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
+    elif args.bench == "serve" and args.peer:
+        result = _bench_peer(args)
     elif args.bench == "serve":
         from spur.cluster.bench import serve
+        from spur.configs.env import client_api_key
 
         try:
+            if not args.url:
+                raise ValueError("give --url of a running spur server (or --peer llama-cpp)")
             result = serve.run(
                 url=args.url,
                 model=args.model,
-                concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
+                concurrencies=_levels(args.concurrency or "1,8,32"),
                 seed=args.seed,
                 requests_per_level=args.requests,
                 rounds=args.rounds,
                 baseline_url=args.baseline_url,
+                api_key=args.api_key or client_api_key(),
+                admin_key=args.admin_key or client_api_key(admin=True),
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
@@ -488,10 +599,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 else (2048 if args.model == "hybrid" else 0)
             ),
         )
+    elif args.bench == "autoscale":
+        from spur.cluster.bench import autoscale
+
+        try:
+            result = autoscale.run(
+                model=args.model,
+                low=args.low,
+                high=args.high,
+                low_s=args.low_seconds,
+                high_hold_s=args.high_hold_seconds,
+                max_tokens=args.max_tokens,
+                upscale_delay_s=args.upscale_delay,
+                downscale_delay_s=args.downscale_delay,
+            )
+        except RuntimeError as e:
+            raise UsageError(f"the autoscale benchmark could not run: {e}") from None
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if out is not None:
+        print_json(out, result)
     else:
         for key, value in result.items():
             print(f"{key}: {value}")

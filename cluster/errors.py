@@ -248,3 +248,44 @@ def internal_error(exc: BaseException) -> ProtocolError:
         f"internal error ({type(exc).__name__}); the server logged the details",
         code="internal_error",
     )
+
+
+def rate_limited(message: str, retry_after_s: float, code: str) -> ProtocolError:
+    """A 429 for a key over one of its limits (concurrent requests, tokens per
+    minute); carries Retry-After in whole seconds (at least 1)."""
+    seconds = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 60
+    return ProtocolError(
+        429, f"{message}: retry after {seconds} s", code=code, headers={"Retry-After": str(seconds)}
+    )
+
+
+def body_too_large(limit: int) -> ProtocolError:
+    """A 413 for a request body over `server.requests.max_body_bytes`."""
+    return ProtocolError(
+        413,
+        f"the request body is larger than {limit:,} bytes (server.requests.max_body_bytes): "
+        "send fewer or shorter prompts",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+_UNAVAILABLE_NAMES = ("Actor", "Replica", "Unavailable", "NodeDied", "WorkerCrashed", "OwnerDied")
+
+
+def classify(exc: BaseException) -> ProtocolError:
+    """The one mapping of any failure to what the client hears: a ProtocolError
+    as it is; Serve's back-pressure (its queue is full) a 429 `queue_full`; a
+    replica, actor or node that is gone a 503 with Retry-After; anything else a
+    500 that names only the exception's type. Matched by class name over the MRO,
+    so that this module needs no Ray import."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    names = [c.__name__ for c in type(exc).__mro__]
+    if "BackPressureError" in names:
+        return queue_full(1.0)
+    if any(part in name for name in names for part in _UNAVAILABLE_NAMES):
+        return service_unavailable(
+            f"the engine is unavailable ({type(exc).__name__}); retry shortly", 1.0
+        )
+    return internal_error(exc)

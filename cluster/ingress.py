@@ -1,20 +1,29 @@
-"""The HTTP front: OpenAI-compatible API, validation, chat template, tokenization
-(once, here), lane choice, and streaming of engine deltas as SSE.
+"""The HTTP front: OpenAI-compatible API, authentication, validation, chat
+template, tokenization (once, here, off the event loop), lane choice, and
+streaming of engine deltas as SSE.
 
-A request's way: parse + validate (400 naming the field) -> lane from `model`
-(404 listing the served models) -> token ids -> engine deployment's streaming
-`generate` -> the first item decides the status (an engine-side rejection is a
-400, not a broken 200 stream) -> chunks or one JSON body. A client that goes
-away cancels the engine-side generator, which aborts the request and frees its
-blocks. Nothing a client sends makes this answer 500 or stop serving.
+A request's way: API key (cluster/auth.py middleware: 401/403 before any route
+runs, when keys are configured) -> body read within server.requests.max_body_bytes
+(413) -> parse + validate (400 naming the field) -> lane from `model` (404 listing
+the served models) -> token ids and block hashes (in the tokenizer thread pool;
+the tenant's salt scopes the hashes) -> per-key limits (429 with Retry-After) ->
+one engine stream per prompt, opened concurrently, each pumped into a bounded
+buffer (a slow client makes the engine stream wait) -> the first items decide
+the status (an engine-side rejection is a 400, a full queue a 429, no engine of
+the lane or its spare a 503) -> chunks or one JSON body. A client that goes away
+cancels the engine-side generators, which abort the requests and free their
+blocks. No client input makes this answer 5xx or stop serving: a 500 means a bug
+(its body names only the exception type; the log has the traceback).
 """
 
 import asyncio
 import contextlib
-import json
+import dataclasses
+import functools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,19 +31,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from spur.actors.engine.hashing import BlockHasher
+from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids
+from spur.actors.engine.hashing import BlockHasher, tenant_salt
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from spur.cluster import metrics as M
 from spur.cluster import protocol as P
+from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard
 from spur.cluster.errors import (
     ProtocolError,
+    bad_request,
+    body_too_large,
+    classify,
     error_body,
-    internal_error,
     queue_full,
+    rate_limited,
     service_unavailable,
 )
 from spur.cluster.failover import EngineStream
+from spur.cluster.fanout import FanOut
 from spur.cluster.lanes import LaneSelector, LaneView
 from spur.cluster.readiness import CountedStream, health_report, shutting_down
 from spur.cluster.routing.index_actor import get_index, index_kwargs_of
@@ -43,11 +58,45 @@ logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 NO_REPLICA_TIMEOUT_S = 15.0
+MAX_WARNED_FIELDS = 256
+"""Unknown request fields remembered (to log each once); a fixed cap, since clients
+choose the names."""
 app = FastAPI(title="spur", version=VERSION)
+app.add_middleware(AuthMiddleware)
+_SERVED: list[str] = []  # this process's served model names (set by the Ingress)
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the request models (the routes read raw bodies, so
+    FastAPI cannot see them), with `model` narrowed to the served names. Built
+    per set of served names, not cached on the app: Serve serves a copy of the
+    app, taken before the Ingress knows its lanes."""
+    import importlib
+
+    from fastapi.openapi.utils import get_openapi
+
+    here = importlib.import_module(__name__)  # this process's module state
+    served = tuple(here._SERVED)
+    doc = here._OPENAPI.get(served)
+    if doc is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(P.request_schemas(served))
+        here._OPENAPI.clear()
+        here._OPENAPI[served] = doc
+    return doc
+
+
+_OPENAPI: dict[tuple[str, ...], dict[str, Any]] = {}
+app.openapi = _openapi  # type: ignore[method-assign]
 app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/metrics.py)
 
 
 # -- module helpers ---------------------------------------------------------------------
+_TOKENIZER_LOCK = asyncio.Lock()
+"""One tokenizer load at a time: lanes warm up concurrently, and a first import of
+transformers from two threads at once can fail half-initialised."""
+
+
 def _load_tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -81,15 +130,17 @@ def _delta(item: dict[str, Any]) -> Delta:
     )
 
 
-async def _collect(gen: Any, first: dict[str, Any], n: int, prompt_ids: list[int]) -> RequestOutput:
-    """Accumulate a stream into a RequestOutput (non-streaming answers)."""
-    comps = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(n)]
-    out = RequestOutput("", None, prompt_ids, comps)
-
-    def apply(item: dict[str, Any]) -> None:
+async def _collect(fan: FanOut, n: int, prompts: list[list[int]]) -> list[RequestOutput]:
+    """Accumulate every prompt's stream into a RequestOutput (non-streaming answers)."""
+    outs = []
+    for ids in prompts:
+        comps = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(n)]
+        outs.append(RequestOutput("", None, ids, comps))
+    async for i, item in fan.items():
+        out = outs[i]
         if item["type"] == "delta":
             d = _delta(item)
-            c = comps[d.index]
+            c = out.outputs[d.index]
             c.text += d.text
             c.token_ids.extend(d.token_ids)
             if d.logprobs:
@@ -98,24 +149,34 @@ async def _collect(gen: Any, first: dict[str, Any], n: int, prompt_ids: list[int
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         elif item["type"] == "final":
             out.num_cached_tokens = item.get("num_cached_tokens", 0)
-        elif item["type"] == "error":
-            raise ProtocolError(item["status"], item["message"], param=item.get("param"))
+    return outs
 
-    apply(first)
-    async for item in gen:
-        apply(item)
-    return out
+
+@contextlib.contextmanager
+def _own_internal_request_id() -> Iterator[None]:
+    """Give the handle call(s) made inside a fresh Serve internal request id.
+
+    Serve 2.60 copies the HTTP request's internal id into every handle call made
+    while serving it, and its request router indexes pending requests by that id:
+    of two calls of one HTTP request pending at once (a completion's prompts,
+    opened concurrently), the second is never assigned a replica and waits
+    forever. One id per engine call keeps them apart (the public request_id,
+    used in logs and tracing, stays the HTTP request's)."""
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+    current = _get_serve_request_context()
+    token = _serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=generate_request_id())
+    )
+    try:
+        yield
+    finally:
+        _serve_request_context.reset(token)
 
 
 def _as_protocol_error(exc: BaseException) -> ProtocolError:
-    if isinstance(exc, ProtocolError):
-        return exc
-    if isinstance(exc, BackPressureError):
-        return queue_full(1.0)
-    name = type(exc).__name__
-    if "Actor" in name or "Replica" in name or "Unavailable" in name:
-        return service_unavailable(f"the engine is unavailable ({name}); retry shortly", 1.0)
-    return internal_error(exc)
+    return classify(exc)
 
 
 def _error_response(exc: ProtocolError) -> Response:
@@ -158,6 +219,7 @@ class Ingress:
             for served in lane["served_model_names"]:
                 self.model_to_lane[served] = lane["name"]
         self.served = list(self.model_to_lane)
+        _SERVED[:] = self.served
         self._warned_fields: set[str] = set()
         router = config["router"]
         self.router = router
@@ -185,6 +247,21 @@ class Ingress:
         self._warmer: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no running loop yet: on first call
             self._ensure_monitor()
+        # Keys are read here, in the ingress's own process (never shipped through
+        # Ray's control plane); a bad keys file fails the replica's start.
+        self.guard = AuthGuard.from_config(config["server"].get("auth", {}))
+        install_guard(self.guard)
+        if self.guard.enabled:
+            logger.info("API keys on: %s", self.guard.store.summary())
+        self.limits: Any = None
+        limits_cfg = config["server"].get("requests", {})
+        self.max_body_bytes = int(limits_cfg.get("max_body_bytes", 4 * 1024**2))
+        self.max_prompts = int(limits_cfg.get("max_prompts", 64))
+        self.stream_buffer = int(limits_cfg.get("stream_buffer", 64))
+        self.pool = ThreadPoolExecutor(
+            max_workers=int(limits_cfg.get("tokenizer_threads", 2)),
+            thread_name_prefix="spur-tokenize",
+        )
 
     # -- helpers ----------------------------------------------------------------------
     async def _lane(self, model: str | None) -> tuple[str, _Lane]:
@@ -236,9 +313,11 @@ class Ingress:
         own = stats or spare_stats
         assert own is not None
         lane.max_model_len = int(own["max_model_len"])
-        lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
+        async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
+            lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
         if spare and stats and spare_stats and spare_stats["model_dir"] != stats["model_dir"]:
-            other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
+            async with _TOKENIZER_LOCK:
+                other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
             if other.get_vocab() != lane.tokenizer.get_vocab():
                 self.selector.disable_spare(
                     lane.name,
@@ -248,21 +327,97 @@ class Ingress:
                 )
 
     def _note_unknown(self, fields: list[str]) -> None:
-        new = [f for f in fields if f not in self._warned_fields]
-        if new:
-            self._warned_fields.update(new)
+        new = [f[:64] for f in fields[:16] if f[:64] not in self._warned_fields]
+        if new and len(self._warned_fields) < MAX_WARNED_FIELDS:
+            self._warned_fields.update(new[: MAX_WARNED_FIELDS - len(self._warned_fields)])
             logger.info("ignoring unknown request fields %s", new)
+
+    async def _off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run `fn` in the tokenizer pool: tokenizing, templating and hashing a long
+        prompt must not stall the event loop that streams every response."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(fn, *args, **kwargs)
+        )
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 beyond server.requests.max_body_bytes
+        (checked while reading: a client cannot make the ingress hold more)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise body_too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _encode(self, lane: _Lane, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(lane.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return list(prompt)
 
-    def _chat_ids(self, lane: _Lane, messages: list[dict[str, str]]) -> list[int]:
-        text = lane.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+    async def _chat_ids(self, lane: _Lane, req: P.ChatCompletionRequest) -> list[int]:
+        try:
+            return list(
+                await self._off_loop(
+                    chat_token_ids,
+                    lane.tokenizer,
+                    req.chat_messages(),
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                )
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+
+    async def _admit(
+        self, principal: Principal | None, prompt_tokens: int
+    ) -> tuple[Any, int | None]:
+        """Take a lease of the key's limits for this request (429 when over one).
+        Returns (limits actor, lease id) to release, or (None, None) when the key
+        has no limits."""
+        if principal is None or not principal.limited:
+            return None, None
+        if self.limits is None:
+            from spur.cluster.limits import get_limits
+
+            self.limits = get_limits()
+        try:
+            answer = await self.limits.admit.remote(
+                principal.key_id,
+                principal.max_concurrent_requests,
+                principal.tokens_per_minute,
+                prompt_tokens,
+            )
+        except Exception as exc:  # the actor restarts: fail open rather than lock out
+            logger.warning("limits actor unavailable (%s): request admitted", exc)
+            return None, None
+        if "lease" in answer:
+            return self.limits, int(answer["lease"])
+        reason = answer.get("reason")
+        if reason == "too_large":
+            raise bad_request(
+                f"the prompt has {prompt_tokens:,} tokens, more than key "
+                f"{principal.name!r} may use per minute ({principal.tokens_per_minute:,}): "
+                "shorten it or ask for a higher tokens_per_minute",
+                param="prompt",
+                code="tokens_per_minute_exceeded",
+            )
+        if reason == "concurrency":
+            raise rate_limited(
+                f"key {principal.name!r} has {principal.max_concurrent_requests} requests in "
+                "flight, its max_concurrent_requests",
+                float(answer.get("retry_after_s", 1.0)),
+                "concurrency_limit_exceeded",
+            )
+        raise rate_limited(
+            f"key {principal.name!r} used its {principal.tokens_per_minute:,} tokens per minute",
+            float(answer.get("retry_after_s", 1.0)),
+            "tokens_per_minute_exceeded",
         )
-        return list(lane.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _token_str(self, lane: _Lane) -> Any:
         tok = lane.tokenizer
@@ -277,10 +432,14 @@ class Ingress:
 
     async def _warm_lanes(self) -> None:
         async def warm(lane: _Lane) -> None:
-            with contextlib.suppress(Exception):
-                async with lane.lock:
-                    if lane.tokenizer is None:
-                        await self._init_lane(lane)
+            while lane.tokenizer is None and self.draining is None:
+                try:
+                    async with lane.lock:
+                        if lane.tokenizer is None:
+                            await self._init_lane(lane)
+                except Exception as exc:  # retried: readiness depends on it
+                    logger.warning("lane %s not initialised yet: %r", lane.name, exc)
+                    await asyncio.sleep(1.0)
 
         await asyncio.gather(*(warm(self.lanes[name]) for name in self.primaries))
 
@@ -382,15 +541,18 @@ class Ingress:
             if target.caching and payload.get("block_hashes") is None:
                 payload = {
                     **payload,
-                    "block_hashes": target.hasher.chain(
-                        payload["prompt_token_ids"], cache_salt=payload.get("cache_salt")
+                    "block_hashes": await self._off_loop(
+                        target.hasher.chain,
+                        payload["prompt_token_ids"],
+                        cache_salt=payload.get("cache_salt"),
                     ),
                 }
             if attempt:  # a retry may reach a replica that still holds the old id
                 payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
-            gen = target.handle.options(
-                stream=True, _by_reference=self.by_reference
-            ).generate.remote(payload)
+            with _own_internal_request_id():
+                gen = target.handle.options(
+                    stream=True, _by_reference=self.by_reference
+                ).generate.remote(payload)
             if name != lane.name:  # the lane's demand, for its autoscaling policy
                 gen = CountedStream(gen, self.on_spare, lane.name)
             first_task = asyncio.ensure_future(gen.__anext__())
@@ -427,11 +589,11 @@ class Ingress:
         return open_
 
     # -- OpenAI API ---------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=P.openapi_request_body("/v1/completions"))
     async def completions(self, request: Request) -> Response:
         return await self._guard(self._completions(request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=P.openapi_request_body("/v1/chat/completions"))
     async def chat_completions(self, request: Request) -> Response:
         return await self._guard(self._chat(request))
 
@@ -441,22 +603,36 @@ class Ingress:
         return f"{model}:{value}" if value else None
 
     async def _completions(self, request: Request) -> Response:
-        req = P.parse_request(P.CompletionRequest, await request.body())
+        req = P.parse_request(P.CompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
+        texts = req.prompts()
+        if len(texts) > self.max_prompts:
+            raise bad_request(
+                f"prompt: {len(texts)} prompts in one request, at most {self.max_prompts} "
+                "(server.requests.max_prompts): split the request",
+                param="prompt",
+            )
         model, lane = await self._lane(req.model)
-        prompts = [self._encode(lane, p) for p in req.prompts()]
+        prompts = [
+            await self._off_loop(self._encode, lane, p) if isinstance(p, str) else list(p)
+            for p in texts
+        ]
         params = req.to_sampling_params(default_max_tokens=16)
         session = self._session(request, model)
-        return await self._serve(req, model, lane, prompts, params, chat=False, session=session)
+        return await self._serve(
+            req, model, lane, prompts, params, chat=False, session=session, request=request
+        )
 
     async def _chat(self, request: Request) -> Response:
-        req = P.parse_request(P.ChatCompletionRequest, await request.body())
+        req = P.parse_request(P.ChatCompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
-        ids = self._chat_ids(lane, req.chat_messages())
+        ids = await self._chat_ids(lane, req)
         params = req.to_sampling_params(default_max_tokens=max(1, lane.max_model_len - len(ids)))
         session = self._session(request, model)
-        return await self._serve(req, model, lane, [ids], params, chat=True, session=session)
+        return await self._serve(
+            req, model, lane, [ids], params, chat=True, session=session, request=request
+        )
 
     async def _serve(
         self,
@@ -468,62 +644,74 @@ class Ingress:
         *,
         chat: bool,
         session: str | None = None,
+        request: Request | None = None,
     ) -> Response:
         self._ensure_monitor()
         rid = P.make_id("chatcmpl" if chat else "cmpl")
         created = P.now()
         sp = _params_dict(params)
-        opened: list[tuple[EngineStream, dict[str, Any]]] = []
-        opener = self._opener(lane, chat=chat)
-        try:
-            for i, ids in enumerate(prompts):
-                payload = {
-                    "request_id": f"{rid}-{i}",
-                    "prompt_token_ids": ids,
-                    "sampling_params": sp,
-                    "priority": int(params.extra.get("priority", 0) or 0),
-                    "cache_salt": params.extra.get("cache_salt"),
-                    "session": session,
-                }
-                stream = EngineStream(
-                    opener,
+        principal: Principal | None = getattr(request.state, "principal", None) if request else None
+        salt = params.extra.get("cache_salt")
+        if principal is not None:  # tenants never share prefix-cache blocks
+            salt = tenant_salt(principal.tenant, salt)
+        prompt_tokens = sum(len(p) for p in prompts)
+        limits, lease = await self._admit(principal, prompt_tokens)
+        payloads = [
+            {
+                "request_id": f"{rid}-{i}",
+                "prompt_token_ids": ids,
+                "sampling_params": sp,
+                "priority": int(params.extra.get("priority", 0) or 0),
+                "cache_salt": salt,
+                "session": session,
+            }
+            for i, ids in enumerate(prompts)
+        ]
+        fan = FanOut(
+            [
+                EngineStream(
+                    self._opener(lane, chat=chat),
                     payload,
                     max_attempts=int(self.router["max_attempts"]),
                     on_event=self._on_event(lane.name),
                 )
-                opened.append((stream, await stream.start()))
-        except BaseException:
-            for gen, _ in opened:
-                gen.cancel()
-            raise
-        prompt_tokens = sum(len(p) for p in prompts)
-        token_str = self._token_str(lane) if params.logprobs is not None else None
-        if req.stream:
-            stream = P.ChunkStream.for_request(
-                req,
-                request_id=rid,
-                model=model,
-                created=created,
-                prompt_tokens=prompt_tokens,
-                token_str=token_str,
-            )
-            return StreamingResponse(self._sse(stream, opened), media_type="text/event-stream")
+                for payload in payloads
+            ],
+            buffer=self.stream_buffer,
+        )
+        released = False
+
+        def release(completion_tokens: int) -> None:
+            nonlocal released
+            if limits is not None and not released:
+                released = True
+                limits.release.remote(lease, completion_tokens)
+
         try:
-            outputs = await asyncio.gather(
-                *(
-                    _collect(gen, first, params.n, ids)
-                    for (gen, first), ids in zip(opened, prompts, strict=True)
+            await fan.ready()
+            token_str = self._token_str(lane) if params.logprobs is not None else None
+            if req.stream:
+                stream = P.ChunkStream.for_request(
+                    req,
+                    request_id=rid,
+                    model=model,
+                    created=created,
+                    prompt_tokens=prompt_tokens,
+                    token_str=token_str,
                 )
-            )
+                return StreamingResponse(
+                    self._sse(stream, fan, release), media_type="text/event-stream"
+                )
+            outputs = await _collect(fan, params.n, prompts)
         except BaseException:  # a failed prompt, or the client went away: abort them all
-            for gen, _ in opened:
-                gen.cancel()
+            fan.close()
+            release(0)
             raise
+        release(sum(len(c.token_ids) for o in outputs for c in o.outputs))
         for out in outputs:
             for comp in out.outputs:
                 if comp.finish_reason == "abort":
                     raise service_unavailable("the request was aborted by the engine")
-        cached = sum(o.num_cached_tokens for o in outputs)
         if chat:
             body = P.chat_response(
                 rid,
@@ -544,72 +732,45 @@ class Ingress:
                 token_str=token_str,
                 num_top_logprobs=req.num_top_logprobs,
             )
-        if cached:
-            body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         return JSONResponse(body)
 
-    async def _sse(
-        self, stream: P.ChunkStream, opened: list[tuple[Any, dict[str, Any]]]
-    ) -> AsyncIterator[bytes]:
-        merged: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, gen: Any, first: dict[str, Any]) -> None:
-            try:
-                await merged.put((i, first))
-                async for item in gen:
-                    await merged.put((i, item))
-            except BaseException as exc:
-                await merged.put((i, exc))
-            finally:
-                await merged.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(opened)]
-        open_streams = len(tasks)
+    async def _sse(self, stream: P.ChunkStream, fan: FanOut, release: Any) -> AsyncIterator[bytes]:
         cached = 0
         try:
             for chunk in stream.start():
                 yield P.sse(chunk)
-            while open_streams:
-                i, item = await merged.get()
-                if item is None:
-                    open_streams -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    yield P.sse(error_body(_as_protocol_error(item)))
-                    yield P.sse_done()
-                    return
-                if item["type"] == "delta":
-                    delta = _delta(item)
-                    for chunk in stream.update(delta, delta.logprobs, prompt_index=i):
-                        yield P.sse(chunk)
-                elif item["type"] == "final":
-                    cached += item.get("num_cached_tokens", 0)
-                elif item["type"] == "error":
-                    err = ProtocolError(item["status"], item["message"], param=item.get("param"))
-                    yield P.sse(error_body(err))
-                    yield P.sse_done()
-                    return
-            for chunk in stream.finish(cached or None):
+            try:
+                async for i, item in fan.items():
+                    if item["type"] == "delta":
+                        delta = _delta(item)
+                        for chunk in stream.update(delta, delta.logprobs, prompt_index=i):
+                            yield P.sse(chunk)
+                    elif item["type"] == "final":
+                        cached += item.get("num_cached_tokens", 0)
+            except Exception as exc:  # the response has started: report it in-stream
+                err = _as_protocol_error(exc)
+                log = logger.exception if err.status >= 500 else logger.warning
+                log("stream %s failed after it started: %s", stream.request_id, err.message)
+                yield P.sse(error_body(err))
+                yield P.sse_done()
+                return
+            for chunk in stream.finish(cached):
                 yield P.sse(chunk)
             yield P.sse_done()
         finally:
             # A client that went away lands here too: cancel the engine-side
             # generators, which abort the requests and free their blocks.
-            for (gen, _), task in zip(opened, tasks, strict=True):
-                task.cancel()
-                with contextlib.suppress(Exception):
-                    gen.cancel()
+            fan.close()
+            release(stream.completion_tokens)
 
     async def _guard(self, work: Any) -> Response:
         try:
             return await work
-        except ProtocolError as exc:
-            return _error_response(exc)
-        except BackPressureError:
-            return _error_response(queue_full(1.0))
         except Exception as exc:  # never a bare 500 without a body
-            logger.exception("request failed")
-            return _error_response(_as_protocol_error(exc))
+            err = _as_protocol_error(exc)
+            if err.status >= 500 and not isinstance(exc, ProtocolError):
+                logger.exception("request failed: answering %d", err.status)
+            return _error_response(err)
 
     # -- other endpoints ----------------------------------------------------------------
     @app.get("/v1/models")
@@ -678,24 +839,19 @@ class Ingress:
             out[name] = entry
         return JSONResponse(out)
 
-    @app.post("/admin/reset_prefix_cache")
+    @app.post(
+        "/admin/reset_prefix_cache",
+        openapi_extra=P.openapi_request_body("/admin/reset_prefix_cache", required=False),
+    )
     async def admin_reset_prefix_cache(self, request: Request) -> Response:
         """Make engines forget their cached prefixes: body {"lane": name} for one lane,
         {"replica_id": id} for one replica, {} for all. Answers the replica ids; each
         resets within one heartbeat (router.stats_period_s)."""
 
         async def work() -> Response:
-            body = await request.body()
-            try:
-                req = json.loads(body) if body.strip() else {}
-            except ValueError as exc:
-                raise ProtocolError(400, f"body is not JSON: {exc}", code="invalid_json") from None
-            if not isinstance(req, dict):
-                raise ProtocolError(400, "body must be a JSON object", param="body")
-            lane, replica = req.get("lane"), req.get("replica_id")
-            for field, value in (("lane", lane), ("replica_id", replica)):
-                if value is not None and not isinstance(value, str):
-                    raise ProtocolError(400, f"{field} must be a string", param=field)
+            body = await self._body(request)
+            req = P.parse_request(P.ResetPrefixCacheRequest, body if body.strip() else {})
+            lane, replica = req.lane, req.replica_id
             if lane is not None and lane not in self.lanes:
                 raise ProtocolError(
                     404, f"unknown lane {lane!r}; lanes: {sorted(self.lanes)}", param="lane"
@@ -722,29 +878,40 @@ class Ingress:
             out[name] = stats if stats is not None else {"error": "no replica answered"}
         return JSONResponse(out)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=P.openapi_request_body("/tokenize"))
     async def tokenize(self, request: Request) -> Response:
         async def work() -> Response:
-            req = P.parse_request(P.TokenizeRequest, await request.body())
+            req = P.parse_request(P.TokenizeRequest, await self._body(request))
             _, lane = await self._lane(req.model)
+            tok = lane.tokenizer
             if req.is_chat:
-                text = lane.tokenizer.apply_chat_template(
-                    req.chat_messages(),
-                    add_generation_prompt=req.add_generation_prompt,
-                    tokenize=False,
-                )
-                ids = lane.tokenizer(text, add_special_tokens=req.special_tokens)["input_ids"]
+                try:
+                    ids = await self._off_loop(
+                        chat_token_ids,
+                        tok,
+                        req.chat_messages(),
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        add_special_tokens=req.special_tokens,
+                    )
+                except ChatTemplateError as exc:
+                    raise bad_request(
+                        str(exc), param="messages", code="chat_template_error"
+                    ) from None
             else:
-                ids = lane.tokenizer(req.prompt, add_special_tokens=req.special_tokens)["input_ids"]
-            strs = lane.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+                special = req.special_tokens
+                ids = await self._off_loop(
+                    lambda: list(tok(req.prompt, add_special_tokens=special)["input_ids"])
+                )
+            strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return JSONResponse(P.tokenize_response(ids, lane.max_model_len, strs))
 
         return await self._guard(work())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=P.openapi_request_body("/detokenize"))
     async def detokenize(self, request: Request) -> Response:
         async def work() -> Response:
-            req = P.parse_request(P.DetokenizeRequest, await request.body())
+            req = P.parse_request(P.DetokenizeRequest, await self._body(request))
             _, lane = await self._lane(req.model)
             vocab = len(lane.tokenizer)
             bad = [t for t in req.tokens if t >= vocab]
@@ -754,6 +921,7 @@ class Ingress:
                     f"token ids {bad[:5]} are outside the vocabulary of {vocab}",
                     param="tokens",
                 )
-            return JSONResponse(P.detokenize_response(lane.tokenizer.decode(req.tokens)))
+            text = await self._off_loop(lane.tokenizer.decode, req.tokens)
+            return JSONResponse(P.detokenize_response(text))
 
         return await self._guard(work())

@@ -53,6 +53,9 @@ COUNTER_HELP = {
     "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "spur:kv_leak_violations": "Requests the leak detector saw holding more blocks than the "
     "capacity formula allows.",
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 GAUGE_HELP = {
     "vllm:num_requests_running": "Number of requests in model execution batches.",
@@ -74,6 +77,9 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 # -- the ingress side -------------------------------------------------------------------
+SEEDED_ERRORS = (("429", "queue_full"), ("500", "internal_error"), ("503", "service_unavailable"))
+
+
 class IngressCounters:
     """One ingress replica's cumulative HTTP and failover counters (its process
     owns one; the middleware and the lane monitor write, the pusher reads)."""
@@ -83,6 +89,12 @@ class IngressCounters:
         self.requests: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[tuple[str, str, str]] = Counter()
         self.failovers: Counter[tuple[str, str, str, str]] = Counter()
+        # The error series alerts watch exist at 0 from the start: Prometheus's
+        # rate() sees no increase in a series whose first sample is already 1.
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            for status, code in SEEDED_ERRORS:
+                self.requests[(route, status)] += 0
+                self.errors[(route, status, code)] += 0
 
     def observe(self, route: str, status: int) -> None:
         self.requests[(route, str(status))] += 1

@@ -107,19 +107,16 @@ def sse_done() -> bytes:
     return b"data: [DONE]\n\n"
 
 
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens` (prompt tokens served from the
-    prefix cache) adds `prompt_tokens_details` as OpenAI reports it."""
-    out: dict[str, Any] = {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object, always with `prompt_tokens_details.cached_tokens`
+    (prompt tokens served from the prefix cache; 0 included, so that clients can
+    rely on the field)."""
+    return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-    if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
 
 
 # -- request models ----------------------------------------------------------------------
@@ -470,15 +467,7 @@ class ChatCompletionRequest(_Request):
             raise FieldError(("messages",), "must hold at least one message")
         if self.top_logprobs and not self.logprobs:
             raise FieldError(("top_logprobs",), "needs logprobs=true: set it or remove this")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise FieldError(
-                ("continue_final_message",),
-                "cannot be combined with add_generation_prompt=true: set one of them to false",
-            )
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise FieldError(
-                ("continue_final_message",), "needs the last message to be the assistant's"
-            )
+        _check_chat_options(self.messages, self.add_generation_prompt, self.continue_final_message)
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -501,6 +490,23 @@ class ChatCompletionRequest(_Request):
 
     def _param_names(self, max_name: str) -> dict[str, str]:
         return {"max_tokens": max_name, "logprobs": "top_logprobs"}
+
+
+def _check_chat_options(
+    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+) -> None:
+    """The chat template's options, checked before templating (400 naming them)."""
+    if not messages:
+        raise FieldError(("messages",), "must hold at least one message")
+    if add_generation_prompt and continue_final_message:
+        raise FieldError(
+            ("continue_final_message",),
+            "cannot be combined with add_generation_prompt=true: set one of them to false",
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise FieldError(
+            ("continue_final_message",), "needs the last message to be the assistant's"
+        )
 
 
 def _is_token_id(value: Any) -> bool:
@@ -529,6 +535,12 @@ class TokenizeRequest(_TopLevel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise FieldError(("prompt",), "send exactly one of prompt or messages")
+        if self.messages is not None:
+            _check_chat_options(
+                self.messages, self.add_generation_prompt, self.continue_final_message
+            )
+        elif self.continue_final_message:
+            raise FieldError(("continue_final_message",), "only applies to messages")
         return self
 
     @property
@@ -561,6 +573,14 @@ class DetokenizeRequest(_TopLevel):
     def _non_negative(cls, value: list[int]) -> list[int]:
         _check_token_ids(value, ())
         return value
+
+
+class ResetPrefixCacheRequest(_TopLevel):
+    """POST /admin/reset_prefix_cache: {"lane": name} for one lane, {"replica_id": id}
+    for one replica, {} for all."""
+
+    lane: Str | None = None
+    replica_id: Str | None = None
 
 
 def tokenize_response(
@@ -1055,9 +1075,61 @@ class ChunkStream:
             ),
         ]
 
-    def finish(self, cached_tokens: int | None = None) -> list[dict[str, Any]]:
+    def finish(self, cached_tokens: int = 0) -> list[dict[str, Any]]:
         """The usage chunk (empty choices) when the request asked for usage, else []."""
         if not self.include_usage:
             return []
         u = usage(self.prompt_tokens, self.completion_tokens, cached_tokens)
         return [usage_chunk(self.request_id, self.model, self.created, u, chat=self.chat)]
+
+
+# -- OpenAPI -----------------------------------------------------------------------------
+REQUEST_MODELS: dict[str, type[BaseModel]] = {}
+"""Route path -> the request model its body must match (published in /openapi.json)."""
+
+
+def _register_request_models() -> None:
+    REQUEST_MODELS.update(
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+            "/admin/reset_prefix_cache": ResetPrefixCacheRequest,
+        }
+    )
+
+
+_register_request_models()
+
+
+def request_schemas(served_models: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """JSON Schemas of every request model and the models they nest, keyed by
+    model name, with references as `#/components/schemas/NAME` (an OpenAPI
+    document's components). `model` is narrowed to the served names (or null),
+    so that a generated client or a fuzzer forms requests that reach an engine.
+    Pure."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls in REQUEST_MODELS.values():
+        schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.pop("$defs", {}).items():
+            out.setdefault(name, sub)
+        if served_models and "model" in schema.get("properties", {}):
+            schema["properties"]["model"] = {
+                "anyOf": [{"type": "string", "enum": list(served_models)}, {"type": "null"}],
+                "default": None,
+                "description": "A served model name (GET /v1/models); null: the first one.",
+            }
+        out[cls.__name__] = schema
+    return out
+
+
+def openapi_request_body(path: str, required: bool = True) -> dict[str, Any]:
+    """The `requestBody` of a route's OpenAPI operation (for `openapi_extra`)."""
+    name = REQUEST_MODELS[path].__name__
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }

@@ -7,6 +7,7 @@ that the full list of knobs is visible here and documented once.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -56,11 +57,22 @@ def test_settings_allowed() -> bool:
     return os.environ.get("SPUR_ALLOW_TEST_SETTINGS", "") == "1"
 
 
-def admin_key() -> str | None:
-    """`SPUR_ADMIN_KEY`: the admin API key `spur top` sends (--admin-key wins)."""
-    return os.environ.get("SPUR_ADMIN_KEY") or None
-
-
 def grafana_token() -> str | None:
     """`SPUR_GRAFANA_TOKEN`: the Grafana token `spur dashboards push` uses (--token wins)."""
     return os.environ.get("SPUR_GRAFANA_TOKEN") or None
+
+
+def api_keys_text(var: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The server's API keys file text from the variable named by
+    `server.auth.keys_env` (default `SPUR_API_KEYS`, which the Helm chart exports
+    from its Secret); None when unset."""
+    return (os.environ if environ is None else environ).get(var)
+
+
+def client_api_key(admin: bool = False) -> str | None:
+    """The key spur's own clients (`spur bench serve`, `spur config diff`) send when
+    no --api-key flag is given: `SPUR_ADMIN_KEY` for /admin/* calls (falling back
+    to `SPUR_API_KEY`), else `SPUR_API_KEY`."""
+    if admin and os.environ.get("SPUR_ADMIN_KEY"):
+        return os.environ["SPUR_ADMIN_KEY"]
+    return os.environ.get("SPUR_API_KEY") or None

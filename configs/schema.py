@@ -314,6 +314,33 @@ class RuntimeConfig(_Section):
     tested with it). Refused unless SPUR_ALLOW_TEST_SETTINGS=1; keep it 0."""
 
 
+class SpeculativeConfig(_Section):
+    """n-gram (prompt-lookup) speculative decoding, as vLLM's `ngram` method: each
+    step drafts up to `num_speculative_tokens` tokens per request by matching its
+    last n tokens against its own prompt and output, and verifies them in the same
+    forward. Greedy output is unchanged; sampled output keeps its distribution.
+    Pays off when outputs repeat their input (edits, extraction, code); costs a few
+    percent when they do not. Refused for hybrid (recurrent-state) models."""
+
+    method: Literal["ngram"] = "ngram"
+    """Drafting method; only "ngram" (prompt lookup, no draft model) exists."""
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    """Most draft tokens verified per request and step (k)."""
+    prompt_lookup_min: int = Field(2, ge=1, le=16)
+    """Shortest suffix of the request that may match an earlier n-gram."""
+    prompt_lookup_max: int = Field(4, ge=1, le=16)
+    """Longest suffix tried first (longer matches draft more reliably)."""
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({self.prompt_lookup_max}): lower the first or raise the second"
+            )
+        return self
+
+
 class EngineConfig(_Section):
     """One engine replica: model, KV pool, scheduler, parallelism, runtime."""
 
@@ -327,6 +354,8 @@ class EngineConfig(_Section):
     """Tensor parallelism and device."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     """Kernels, seed and threads."""
+    speculative: SpeculativeConfig | None = None
+    """n-gram speculative decoding; unset (null) turns it off."""
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -443,8 +472,8 @@ class LaneConfig(_Section):
     at least scheduler.max_num_seqs, or batches never fill."""
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for this lane when every replica is at
-    max_ongoing_requests; beyond that the API answers 503 with Retry-After. A bound
-    is required (no unbounded queue)."""
+    max_ongoing_requests; beyond that the API answers 429 (code "queue_full") with
+    Retry-After. A bound is required (no unbounded queue)."""
     saturation_queue_threshold: int = Field(32, ge=1, le=1_000_000)
     """Waiting requests per replica beyond which the lane counts as saturated, and new
     traffic goes to the spare (when one serves this lane) until it drains."""
@@ -486,7 +515,7 @@ class SpareConfig(_Section):
     """Requests the spare accepts at once (running plus waiting in its engine)."""
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for the spare when it is at max_ongoing_requests; beyond
-    that the API answers 503 with Retry-After."""
+    that the API answers 429 (code "queue_full") with Retry-After."""
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     """Grace period of a planned removal of the spare (as LaneConfig.drain_timeout_s)."""
 
@@ -539,6 +568,64 @@ class RouterConfig(_Section):
     returns from the spare (hysteresis against flapping)."""
 
 
+API_KEYS_ENV = "SPUR_API_KEYS"
+"""The environment variable the Helm chart exports from its `apiKeys` Secret, and the
+default of `server.auth.keys_env`."""
+
+
+class AuthConfig(_Section):
+    """API keys and tenants. The keys themselves never appear in the config: they are
+    read when the ingress starts, in the ingress's own process, from the environment
+    variable `keys_env` or the file `keys_file` (YAML or JSON, see the README's
+    Security section):
+
+        keys:
+          - {key: sk-alice-..., name: alice, tenant: acme, tokens_per_minute: 200000}
+          - {key_sha256: 9f86d0..., name: bob, tenant: globex, max_concurrent_requests: 4}
+          - {key: sk-ops-..., name: ops, admin: true}
+
+    With no keys found (the local default) every route is open, as before. With keys,
+    `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` of a
+    non-admin key, `/admin/*` that of an admin key; `open_paths` need none."""
+
+    keys_env: str | None = Field(API_KEYS_ENV, min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Environment variable holding the keys file's text (the Helm chart exports
+    SPUR_API_KEYS from its `apiKeys` Secret). Unset or empty variable: no keys from it.
+    Null: do not read the environment."""
+    keys_file: str | None = Field(None, min_length=1)
+    """Path of a keys file, read by the ingress at start (keys from `keys_env` and this
+    file are merged). Null: none."""
+    open_paths: list[Annotated[str, Field(pattern=r"^/\S*$")]] = Field(
+        default_factory=lambda: ["/health", "/health/live", "/metrics"]
+    )
+    """Paths that never need a key (exact match, or a prefix when the entry ends with
+    "/"), for probes and scrapers. Every other path needs one once keys exist."""
+    default_max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
+    """Generation requests one key may have in flight at once, across every ingress
+    replica, when its entry sets no `max_concurrent_requests`; beyond it the API
+    answers 429 with Retry-After. Null: unlimited."""
+    default_tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
+    """Prompt plus completion tokens one key may use in any 60-second window, across
+    every ingress replica, when its entry sets no `tokens_per_minute`; beyond it the
+    API answers 429 with Retry-After. Null: unlimited."""
+
+
+class RequestsConfig(_Section):
+    """Bounds on what one client request may make the ingress hold or do."""
+
+    max_body_bytes: ByteSize = Field(4 * 1024**2, ge=1024, le=1024**3)
+    """Largest request body accepted; a larger one is answered 413. Accepts "4MiB"."""
+    max_prompts: int = Field(64, ge=1, le=4096)
+    """Most prompts in one /v1/completions request (each is one engine request); more
+    is answered 400."""
+    tokenizer_threads: int = Field(2, ge=1, le=256)
+    """Threads of the ingress's pool for tokenizing, chat templating and block hashing,
+    so that a long prompt never stalls the event loop that streams every response."""
+    stream_buffer: int = Field(64, ge=1, le=100_000)
+    """Engine items buffered per streamed prompt in the ingress; a slow client makes the
+    engine stream wait (back-pressure) instead of growing this buffer."""
+
+
 class ServerConfig(_Section):
     """The HTTP endpoint and the Ray cluster it runs on."""
 
@@ -577,6 +664,11 @@ class ServerConfig(_Section):
     engines and ingress replicas push their counters to the KV index actor every
     second. false: engines keep no statistics and /metrics answers 404."""
 
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    """API keys, tenants and per-key limits (no keys: every route open)."""
+    requests: RequestsConfig = Field(default_factory=RequestsConfig)
+    """Bounds on request size and the ingress's tokenizer pool."""
+
     @property
     def embedded_ray(self) -> bool:
         """True when spur starts its own Ray instead of joining a cluster."""
@@ -605,7 +697,7 @@ class SpurConfig(_Section):
     """The lanes, at least one; names and served model names must be unique."""
     spare: SpareConfig | None = None
     """Optional single-device fallback for some lanes. Null: no fallback, a lane whose
-    replicas are all down answers 503."""
+    replicas are all down answers 503 (a full queue is 429, with or without a spare)."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """Replica choice within a lane, and failover."""
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -708,8 +800,11 @@ ALL_MODELS: tuple[type[BaseModel], ...] = (
     SchedulerConfig,
     ParallelConfig,
     RuntimeConfig,
+    SpeculativeConfig,
     SpareConfig,
     RouterConfig,
     ServerConfig,
+    AuthConfig,
+    RequestsConfig,
 )
 """Every model of the tree, root first (the order of the README's reference)."""

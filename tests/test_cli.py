@@ -44,3 +44,49 @@ def test_misuse_is_a_clear_error_and_exit_2():
     res = run("capacity", "--model", "cfg.json", "--block-size", "0")
     assert res.returncode == 2 and "must be >= 1" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_json_stdout_keeps_every_other_line_off_stdout():
+    """What `--json` commands do (cluster/cli.json_stdout): print(), child processes
+    (Ray's raylet and workers, whose lines the driver forwards) and logging all go
+    to stderr; stdout holds exactly the JSON document."""
+    code = (
+        "import subprocess, logging, sys\n"
+        "from spur.cluster.cli import json_stdout, print_json\n"
+        "out = json_stdout()\n"
+        "print('(raylet) Task ServeController.graceful_shutdown failed')\n"
+        "subprocess.run(['sh', '-c', 'echo child noise'])\n"
+        "logging.basicConfig(stream=sys.stdout); logging.warning('log noise')\n"
+        "print_json(out, {'ok': 1})\n"
+        "print('late noise at exit')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"ok": 1}
+    for noise in ("(raylet) Task", "child noise", "log noise", "late noise"):
+        assert noise in res.stderr
+
+
+def test_capacity_json_is_strict_json(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "hidden_size": 64,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    res = subprocess.run(
+        [*SPUR, "capacity", "--model", str(cfg), "--num-blocks", "64", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["num_blocks"] > 0

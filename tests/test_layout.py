@@ -62,9 +62,23 @@ def test_every_package_folder_is_installed():
     declared = set(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
-    found = set()
+    found = {"spur"}  # the lazy top-level package (spur/__init__.py)
     for top in TOP_PACKAGES:
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT)
             found.add("spur." + ".".join(rel.parts))
     assert found == declared, f"missing: {found - declared}, stale: {declared - found}"
+
+
+def test_top_level_spur_package_is_lazy():
+    """`from spur import LLM, SamplingParams` works, and `import spur` or
+    `import spur.configs` alone loads neither torch nor ray."""
+    code = (
+        "import sys, spur, spur.configs.schema\n"
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n"
+        "from spur import SamplingParams\n"
+        "print(SamplingParams(max_tokens=3).max_tokens)\n"
+        "print('LLM' in dir(spur), spur.LLM.__module__)\n"
+    )
+    out = subprocess.check_output([sys.executable, "-c", code], text=True, cwd="/")
+    assert out.split("\n")[:3] == ["[]", "3", "True spur.actors.llm"]

@@ -196,6 +196,9 @@ class EngineMetrics:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.leak_violations = 0
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
@@ -254,10 +257,13 @@ class EngineMetrics:
         self.histograms["vllm:iteration_tokens_total"].observe(
             stats.num_scheduled_tokens or (step_prompt + step_generated)
         )
-        self.num_preemptions += stats.num_preemptions
+        self.num_preemptions = stats.total_preemptions
         self.prefix_queries += stats.prefix_queries
         self.prefix_hits += stats.prefix_hits
         self.leak_violations = stats.kv_leak_violations
+        self.spec_drafts += stats.spec_num_drafts
+        self.spec_draft_tokens += stats.spec_num_draft_tokens
+        self.spec_accepted_tokens += stats.spec_num_accepted_tokens
         self.num_running = stats.num_running
         self.num_waiting = stats.num_waiting
         self.kv_usage = stats.kv_usage
@@ -305,6 +311,9 @@ class EngineMetrics:
                 "vllm:prefix_cache_queries": self.prefix_queries,
                 "vllm:prefix_cache_hits": self.prefix_hits,
                 "spur:kv_leak_violations": self.leak_violations,
+                "vllm:spec_decode_num_drafts": self.spec_drafts,
+                "vllm:spec_decode_num_draft_tokens": self.spec_draft_tokens,
+                "vllm:spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
             },
             "request_success": dict(self.request_success),
             "gauges": {
@@ -362,9 +371,11 @@ def break_retirement(kv: Any, blocks_per_step: int) -> None:
     """TESTS ONLY (`engine.runtime.test_leak_blocks_per_step`): make `kv` (a
     KVCacheManager) keep `blocks_per_step` extra blocks in group 0's table of a
     request at every allocation, as a retirement that forgets to return blocks
-    would. The blocks are real (taken from the pool, freed with the request), so
-    KV usage rises, held/geometry exceeds 1 within one request, and the leak
-    detector (switched on for plain models too) counts the request."""
+    would, up to one block more than twice what the request needs (or until the
+    pool has no free block left). The blocks are real
+    (taken from the pool, freed with the request), so KV usage rises,
+    held/geometry exceeds 2 within one request, and the leak detector (switched
+    on for plain models too) counts the request."""
     if blocks_per_step <= 0:
         return
     original = kv.allocate_slots
@@ -375,8 +386,11 @@ def break_retirement(kv: Any, blocks_per_step: int) -> None:
     def leaky(request: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(request, *args, **kwargs)
         table = manager.tables.get(request.request_id)
-        if out is None or table is None or pool.num_free_blocks <= blocks_per_step + 2:
+        if out is None or table is None or pool.num_free_blocks < blocks_per_step:
             return out
+        need = -(-kv._slots.get(request.request_id, 0) // kv.block_size)
+        if len(table) > 2 * need:
+            return out  # just over 2x its geometry: leaky, yet the pool stays shared
         extra = pool.get_new_blocks(blocks_per_step)
         table.extend(extra)
         out[0] = [*out[0], *(b.block_id for b in extra)]

@@ -59,6 +59,16 @@ def percentile_ms(values: list[float], q: float) -> float | None:
     return round(values[k] * 1000, 2)
 
 
+KEYS: dict[str, str | None] = {"api": None, "admin": None}
+"""The keys `run` sends: "api" on /v1/*, "admin" on /admin/* (None: no header)."""
+
+
+def auth_headers(admin: bool = False) -> dict[str, str]:
+    """The Authorization header for an API (or admin) call, if a key is set."""
+    key = KEYS["admin" if admin else "api"]
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 async def _one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": model,
@@ -105,7 +115,7 @@ async def _http_level(
 
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=auth_headers()) as client:
 
         async def run(p: str, m: int) -> dict[str, Any]:
             async with sem:
@@ -165,7 +175,7 @@ def _reset_prefix_cache(url: str, lane: str) -> None:
     req = urllib.request.Request(
         f"{url}/admin/reset_prefix_cache",
         data=json.dumps({"lane": lane}).encode(),
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", **auth_headers(admin=True)},
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
         resp.read()
@@ -173,7 +183,8 @@ def _reset_prefix_cache(url: str, lane: str) -> None:
 
 
 def _live_lane(url: str, model: str | None) -> tuple[str, str, dict[str, Any]]:
-    with urllib.request.urlopen(f"{url}/admin/config", timeout=10) as resp:
+    req = urllib.request.Request(f"{url}/admin/config", headers=auth_headers(admin=True))
+    with urllib.request.urlopen(req, timeout=10) as resp:
         config = json.loads(resp.read())
     from spur.cluster.app import engine_args
     from spur.configs.loader import parse_config
@@ -238,9 +249,14 @@ def run(
     requests_per_level: int | None = None,
     rounds: int = 3,
     baseline_url: str | None = None,
+    api_key: str | None = None,
+    admin_key: str | None = None,
 ) -> dict[str, Any]:
     """With `baseline_url` the "offline" arm is that server (its numbers are under
-    "offline" and the ratios are url over baseline_url)."""
+    "offline" and the ratios are url over baseline_url). `api_key` / `admin_key`:
+    sent as Bearer keys on /v1/* and /admin/* (a server with API keys; see
+    server.auth)."""
+    KEYS.update(api=api_key, admin=admin_key or api_key)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     url = url.rstrip("/")

@@ -88,6 +88,7 @@ class KVIndexActor:
             "resync": need,
             "commands": self.commands.pop(replica_id, []),
             "spare_demand": self.spare_demand(state.lane) if state is not None else 0,
+            "draining": self.draining,
         }
 
     def leave(self, replica_id: str) -> bool:
@@ -112,6 +113,10 @@ class KVIndexActor:
     def drained(self) -> list[dict[str, Any]]:
         """The drain reports so far (`spur serve` logs them before it exits)."""
         return list(self.drain_reports)
+
+    def drain_status(self) -> dict[str, Any]:
+        """{"remaining": replicas still in the index (not drained yet), "reports": n}."""
+        return {"remaining": len(self.index.replicas), "reports": len(self.drain_reports)}
 
     def report_spare_load(self, ingress_id: str, loads: dict[str, int]) -> str | None:
         """An ingress's requests in flight on the spare, per lane they belong to (the

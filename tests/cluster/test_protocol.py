@@ -357,7 +357,13 @@ def test_sse_framing() -> None:
     assert P.sse_done() == b"data: [DONE]\n\n"
     err = ProtocolError(400, "bad", param="n")
     assert P.sse(error_body(err)).startswith(b'data: {"error":{"message":"bad"')
-    assert P.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    # cached_tokens is always reported, 0 included (clients read it unconditionally)
+    assert P.usage(3, 4) == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 # -- request parsing -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from spur.actors.engine.metrics import (
 )
 from spur.actors.engine.sampling_params import SamplingParams
 
-from .helpers import SLIDING, make_engine, prompts
+from .helpers import FULL, SLIDING, STATE, make_engine, prompts
 
 
 class Clock:
@@ -134,3 +134,16 @@ def test_capacity_view_and_info() -> None:
     assert info["cache_config"]["num_gpu_blocks"] == "65"
     assert set(info["cache_config"]) >= {"block_size", "cache_dtype", "enable_prefix_caching"}
     assert list(itertools.islice(info["groups"], 1)) == ["full"]
+
+
+def test_state_groups_are_reported_per_group() -> None:
+    """A hybrid pool (full attention + state): one gauge set per group, and the
+    state group holds at most its 2 blocks per request (ratio <= 1) even with
+    chunked prefill over several blocks."""
+    core, sched, _ = make_engine(groups=(FULL, STATE), num_blocks=256, budget=8, block_size=4)
+    metrics = EngineMetrics(max_model_len=128, capacity_period_s=0.0, clock=Clock())
+    _, _ = drive(core, sched, metrics, prompts(3, 30), max_tokens=12)
+    snap = metrics.snapshot()
+    assert [g["kind"] for g in snap["capacity"]] == ["full", "state"]
+    assert all(g["peak_ratio"] <= 1.0 for g in snap["capacity"])
+    assert metrics.leak_violations == 0

@@ -1,10 +1,11 @@
 """One live `spur serve` and one real Prometheus scraping it every second, shared
 by the module that needs them (module-scoped: CI pays one start-up).
 
-    obs_server   lanes  chat    the tiny model, one primary, spare "spare"
+    obs_server   lanes  chat    the tiny model, one primary with a small pool (96
+                                blocks: preemption storms), spare "spare"
                         leaky   the tiny model with the tests-only broken retirement
-                                (engine.runtime.test_leak_blocks_per_step) and a
-                                small pool (preemption storms), no spare
+                                (engine.runtime.test_leak_blocks_per_step), 40 blocks,
+                                4 requests at a time (the rest wait), no spare
                  spare  spare   the tiny model, serves chat
     prom         Prometheus (Debian's `prometheus`; .ci/run installs it) scraping
                  /metrics every second, with spur's alert rules loaded
@@ -48,10 +49,11 @@ PROMETHEUS = "prometheus"
 
 def _engine(model_dir: Path, **extra: Any) -> dict[str, Any]:
     blocks = extra.pop("num_kv_blocks", 512)
+    seqs = extra.pop("max_num_seqs", 16)
     engine = {
         "model": {"path": str(model_dir), "dtype": "float32", "max_model_len": 512},
         "cache": {"block_size": 16, "num_kv_blocks": blocks},
-        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        "scheduler": {"max_num_seqs": seqs, "max_num_batched_tokens": 512},
         "parallelism": {"device": "cpu"},
         "runtime": {"num_threads": 1, **extra},
     }
@@ -62,15 +64,21 @@ def obs_config(model_dir: Path, port: int, *, metrics: bool = True) -> dict[str,
     return {
         "version": 1,
         "lanes": [
-            {"name": "chat", "served_model_names": ["chat"], "engine": _engine(model_dir)},
+            {
+                "name": "chat",
+                "served_model_names": ["chat"],
+                "engine": _engine(model_dir, num_kv_blocks=96),
+            },
             {
                 "name": "leaky",
                 "served_model_names": ["leaky"],
-                "engine": _engine(model_dir, num_kv_blocks=80, test_leak_blocks_per_step=1),
+                "engine": _engine(
+                    model_dir, num_kv_blocks=40, max_num_seqs=4, test_leak_blocks_per_step=1
+                ),
             },
         ],
         "spare": {"name": "spare", "serves_lanes": ["chat"], "engine": _engine(model_dir)},
-        "router": {"stats_period_s": 0.5, "failover_healthy_after_s": 1.0, "max_attempts": 1},
+        "router": {"stats_period_s": 1.0, "failover_healthy_after_s": 1.0, "max_attempts": 1},
         "server": {
             "host": "127.0.0.1",
             "port": port,
@@ -175,6 +183,18 @@ class Prometheus:
             raise AssertionError(f"{expr}: {exc.read().decode()[:500]}") from None
         assert out["status"] == "success", out
         return list(out["data"]["result"])
+
+    def held_between(self, expr: str, start: float, end: float) -> bool:
+        """True when `expr` returned a series at some evaluation between the unix
+        times `start` and `end` (a range query, a step per half second)."""
+        try:
+            out = self.api(
+                "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="0.5"
+            )
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{expr}: {exc.read().decode()[:500]}") from None
+        assert out["status"] == "success", out
+        return bool(out["data"]["result"])
 
     def value(self, expr: str) -> float | None:
         result = self.query(expr)

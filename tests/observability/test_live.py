@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a live `spur serve` every second while the official
 `openai` client sends a known workload. The tests run in order (one server, one
-Prometheus): counts, then a preemption storm and the leaky lane, then failover,
-then every dashboard panel and alert expression, then `spur top`.
+Prometheus): counts, a preemption storm, the leaky lane, failover, a restart
+loop, then every dashboard panel and alert expression, then `spur top`.
 """
 
 from __future__ import annotations
@@ -137,12 +137,15 @@ def test_counts_equal_the_clients_own(obs_server: Server, prom: Prometheus) -> N
         bad = {"model": "chat", "prompt": "x", "temperature": -1}
         assert http.post("/v1/completions", json=bad).status_code == 400
 
+    # The spare serves only chat's traffic: chat's requests are counted on one of them.
+    both = '{lane=~"chat|spare"}'
+
     def counted() -> tuple[float | None, ...]:
         return (
-            prom.value(f"sum(vllm:prompt_tokens_total{CHAT})"),
-            prom.value(f"sum(vllm:generation_tokens_total{CHAT})"),
-            prom.value(f"sum(vllm:request_success_total{CHAT})"),
-            prom.value(f"sum(vllm:time_to_first_token_seconds_count{CHAT})"),
+            prom.value(f"sum(vllm:prompt_tokens_total{both})"),
+            prom.value(f"sum(vllm:generation_tokens_total{both})"),
+            prom.value(f"sum(vllm:request_success_total{both})"),
+            prom.value(f"sum(vllm:time_to_first_token_seconds_count{both})"),
         )
 
     want = (float(prompt_tokens), float(completion_tokens), float(requests), float(requests))
@@ -155,24 +158,30 @@ def test_counts_equal_the_clients_own(obs_server: Server, prom: Prometheus) -> N
     spare = prom.query('vllm:num_requests_running{lane="spare"}')
     assert spare and spare[0]["metric"]["serves"] == "chat"
     info = prom.query('vllm:cache_config_info{lane="chat"}')[0]["metric"]
-    assert info["block_size"] == "16" and info["num_gpu_blocks"] == "512", info
+    assert info["block_size"] == "16" and info["num_gpu_blocks"] == "96", info
     assert info["enable_prefix_caching"] == "True" and info["cache_dtype"] == "auto"
     for name in CLUSTER_METRICS:
         assert prom.query(name), f"{name} missing"
-    assert prom.query('spur:http_errors_total{status="404",code="model_not_found"} > 0')
+    prom.wait(
+        "errors counted by code",
+        lambda: (
+            prom.query('spur:http_errors_total{status="404",code="model_not_found"} > 0')
+            and prom.query('spur:http_errors_total{status="400"} > 0')
+        ),
+    )
     assert prom.value(
         'sum(spur:http_requests_total{route="/v1/chat/completions",status="200"})'
     ) == float(4)
-    # The capacity claim of the chat engine: 511 usable blocks / 32 per 512-token request.
-    assert prom.value(f"max(spur:capacity_claimed_max_concurrency{CHAT})") == 511 // 32
+    # The capacity claim of the chat engine: 95 usable blocks / 32 per 512-token request.
+    assert prom.value(f"max(spur:capacity_claimed_max_concurrency{CHAT})") == 95 // 32
     assert prom.value(f"max(spur:kv_held_over_geometry_peak{CHAT})") == 1.0
 
 
-def _storm(server: Server, n: int, max_tokens: int) -> list[int]:
+def _burst(server: Server, model: str, n: int, max_tokens: int) -> list[int]:
     def one(i: int) -> int:
         body = {
-            "model": "leaky",
-            "prompt": f"storm {i} " + "word " * 60,
+            "model": model,
+            "prompt": f"storm {i} " + "word " * 40,
             "max_tokens": max_tokens,
             "ignore_eos": True,
         }
@@ -183,27 +192,43 @@ def _storm(server: Server, n: int, max_tokens: int) -> list[int]:
         return list(pool.map(one, range(n)))
 
 
-def test_preemption_storm_and_the_leak(obs_server: Server, prom: Prometheus) -> None:
-    """The leaky lane: its broken retirement keeps one extra block per step, so
-    held/geometry climbs far above 1 within one request and the leak detector
-    counts each request; 12 long requests on its 80-block pool preempt and wait
-    while the pool is full."""
-    leaky = '{lane="leaky"}'
-    before = prom.value(f"sum(vllm:num_preemptions_total{leaky})") or 0.0
-    seen: dict[str, bool] = {}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        storm = pool.submit(_storm, obs_server, 12, 80)
-        while not storm.done():
-            for name in ("SpurKVFullWhileWaiting", "SpurHeldOverGeometry"):
-                if not seen.get(name):
-                    seen[name] = bool(prom.query(alert(name)))
-            time.sleep(0.5)
-        statuses = storm.result()
-    assert statuses == [200] * 12
+def _while_running(
+    prom: Prometheus, work: Any, alerts: tuple[str, ...]
+) -> tuple[list[int], dict[str, bool]]:
+    """Run `work()`; then report which `alerts` had an expression returning a series
+    at some scrape while it ran (a range query over its interval)."""
+    start = time.time()
+    result = work()
+    end = time.time() + 2.0
+    time.sleep(3.0)  # the last engine push and scrape of the interval
+    return result, {name: prom.held_between(alert(name), start, end) for name in alerts}
+
+
+def test_preemption_storm(obs_server: Server, prom: Prometheus) -> None:
+    """16 long requests on the chat engine's 96-block pool: preemptions rise, and a
+    correct engine stays truthful under pressure (held == geometry, no leak)."""
+    before = prom.value(f"sum(vllm:num_preemptions_total{CHAT})") or 0.0
+    assert _burst(obs_server, "chat", 16, 100) == [200] * 16
     prom.wait(
         "num_preemptions rose",
-        lambda: (prom.value(f"sum(vllm:num_preemptions_total{leaky})") or 0) > before,
+        lambda: (prom.value(f"sum(vllm:num_preemptions_total{CHAT})") or 0) > before,
     )
+    assert prom.value(f"max(spur:kv_held_over_geometry_peak{CHAT})") == 1.0
+    assert prom.value(f"sum(spur:kv_leak_violations_total{CHAT})") == 0.0
+
+
+def test_the_leak_shows(obs_server: Server, prom: Prometheus) -> None:
+    """The leaky lane's broken retirement keeps an extra block per step (up to just
+    over twice what a request needs): held/geometry exceeds 2 within one request,
+    the leak detector counts the requests, and with 12 requests the leaked blocks
+    fill the pool while requests wait. Each of those alerts' expressions holds."""
+    leaky = '{lane="leaky"}'
+    statuses, seen = _while_running(
+        prom,
+        lambda: _burst(obs_server, "leaky", 12, 100),
+        ("SpurHeldOverGeometry", "SpurKVFullWhileWaiting"),
+    )
+    assert statuses == [200] * 12
     prom.wait(
         "the leak counter rose",
         lambda: (prom.value(f"sum(spur:kv_leak_violations_total{leaky})") or 0) >= 1,
@@ -211,11 +236,9 @@ def test_preemption_storm_and_the_leak(obs_server: Server, prom: Prometheus) -> 
     assert (prom.value(f"max(spur:kv_held_over_geometry_peak{leaky})") or 0) > 2.0
     worst = f"max_over_time(max(spur:kv_request_held_over_geometry_max{leaky})[5m:1s])"
     assert (prom.value(worst) or 0) > 2.0
-    assert seen.get("SpurHeldOverGeometry"), "held/geometry > 1.2 never seen while it ran"
-    assert seen.get("SpurKVFullWhileWaiting"), "KV usage > 0.95 with requests waiting never seen"
+    assert seen["SpurHeldOverGeometry"], "held/geometry > 1.2 never seen while it ran"
+    assert seen["SpurKVFullWhileWaiting"], "KV usage > 0.95 with requests waiting never seen"
     assert prom.query(alert("SpurKVLeakViolations"))
-    # The chat lane stays truthful.
-    assert prom.value(f"max(spur:kv_held_over_geometry_peak{CHAT})") == 1.0
 
 
 def test_failover_flips_the_lane_target_and_back(obs_server: Server, prom: Prometheus) -> None:
@@ -243,7 +266,8 @@ def test_failover_flips_the_lane_target_and_back(obs_server: Server, prom: Prome
     prom.wait("chat back on its primary", lambda: prom.value(on_spare) == 0.0, timeout_s=60)
     prom.wait(
         "failovers counted",
-        lambda: prom.value('sum(spur:lane_failovers_total{lane="chat",to="spare"})') == 1.0,
+        # at least this one (a heartbeat late under load may have moved it before)
+        lambda: (prom.value('sum(spur:lane_failovers_total{lane="chat",to="spare"})') or 0) >= 1.0,
     )
     prom.wait("the 5xx alert expression", lambda: prom.query(alert("SpurHTTP5xx")), timeout_s=20)
     assert prom.query('spur:http_errors_total{status="503",code="service_unavailable"} > 0')

@@ -62,11 +62,14 @@ def test_store_sums_ingress_counters_and_keeps_gone_ones() -> None:
     store.update_engine("r2", "spare", engine_snapshot(5))
     view = store.view()
     assert list(view["engines"]) == ["r2"]
-    assert view["http"]["requests"] == [["/v1/completions", "200", 2]]
+    assert [r for r in view["http"]["requests"] if r[-1]] == [["/v1/completions", "200", 2]]
+    # 5xx series exist at 0 before the first one (rate() then sees the first error).
+    assert ["/v1/chat/completions", "503", 0] in view["http"]["requests"]
     assert view["http"]["failovers"] == [["chat", "chat", "spare", "down", 1]]
     text = render({"store": view}, CONFIG).decode()
     got = samples(text)
-    assert got["spur:http_queue_full_total"] == [({"route": "/v1/completions"}, 2.0)]
+    full = {lab["route"]: v for lab, v in got["spur:http_queue_full_total"]}
+    assert full == {"/v1/completions": 2.0, "/v1/chat/completions": 0.0}
     (labels, value), *_ = got["vllm:prompt_tokens_total"]
     assert labels == {"model_name": "smol", "engine": "r2", "lane": "spare", "serves": "chat"}
     assert value == 5.0

@@ -1,0 +1,95 @@
+"""The one chat-templating function: messages -> token ids, through the
+tokenizer's own template. Used by the HTTP ingress (chat completions and
+/tokenize) and the offline `LLM.chat_prompt`. No torch, no Ray: the tokenizer
+is passed in (any object with `apply_chat_template` and `__call__`).
+
+    messages ──template (jinja, the model's)──> text ──tokenizer(no special tokens)──> ids
+
+The template already writes the special tokens (BOS, role markers), so the
+text is tokenized without adding them again (unless the caller asks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be templated for this model: it has no chat template,
+    the template refused them (its own `raise_exception`), or the options
+    contradict each other. The message names the problem; an HTTP API answers 400."""
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The prompt text of `messages` by the tokenizer's chat template.
+
+    `add_generation_prompt`: end with the assistant's turn opener (the model then
+    answers). `continue_final_message`: leave the last (assistant) message open,
+    so that the model continues it; exclusive with `add_generation_prompt`.
+
+    Raises:
+        ChatTemplateError: see the class.
+    """
+    if tokenizer is None:
+        raise ChatTemplateError("the model has no tokenizer: send token ids to /v1/completions")
+    if add_generation_prompt and continue_final_message:
+        raise ChatTemplateError(
+            "continue_final_message cannot be combined with add_generation_prompt=true: "
+            "set one of them to false"
+        )
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise ChatTemplateError(
+            "continue_final_message needs the last message to be the assistant's"
+        )
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(
+            "the model has no chat template: use /v1/completions with a prompt you format "
+            "yourself, or serve a model whose tokenizer has a chat template"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
+    except ChatTemplateError:
+        raise
+    except Exception as exc:  # jinja2.TemplateError (raise_exception), ValueError, ...
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ChatTemplateError(
+            f"the model's chat template refused the messages: {detail}"
+        ) from None
+    if not isinstance(text, str):  # pragma: no cover - tokenize=False returns text
+        raise ChatTemplateError("the chat template did not produce text")
+    return text
+
+
+def chat_token_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of `messages` (see `render_chat`); `add_special_tokens` adds the
+    tokenizer's own (BOS, ...) on top of what the template writes (default: no).
+
+    Raises:
+        ChatTemplateError: see the class.
+    """
+    text = render_chat(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

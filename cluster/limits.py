@@ -1,0 +1,183 @@
+"""Per-key limits, enforced across every ingress replica: concurrent generation
+requests and tokens (prompt + completion) per minute.
+
+    ingress replica ──admit(key, limits, prompt_tokens)──> LimitsActor (one, named)
+                    <── {"lease": id} | {"retry_after_s": s, "reason": ...}
+                    ──release(lease, completion_tokens)──>
+
+The state lives in one Ray actor (as the KV index does), so limits hold however
+many ingress replicas there are. `LimitBook` is the pure bookkeeping (unit
+tested without Ray); `LimitsActor` is its thin shell. Tokens are charged when
+they are known: the prompt at admission, the completion at release; a window
+is the last 60 seconds. A lease that is never released (its ingress died)
+expires after `lease_ttl_s`, so a lost replica cannot pin a key's concurrency.
+The actor restarts if it dies; counts then start from zero (a brief window of
+leniency, never a lock-out).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+WINDOW_S = 60.0
+LIMITS_NAME = "spur-limits"
+LIMITS_NAMESPACE = "spur"
+
+
+@dataclass
+class _KeyState:
+    leases: dict[int, float] = field(default_factory=dict)  # lease id -> expiry time
+    tokens: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    tokens_sum: int = 0
+
+
+class LimitBook:
+    """Concurrency leases and token windows per key id. Not thread-safe (the actor
+    runs one call at a time). `clock`: monotonic seconds (injectable for tests)."""
+
+    def __init__(
+        self, lease_ttl_s: float = 3600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self.clock = clock
+        self.keys: dict[str, _KeyState] = {}
+        self.lease_owner: dict[int, str] = {}
+        self._ids = itertools.count(1)
+        self.refused: collections.Counter[str] = collections.Counter()
+
+    def _state(self, key_id: str, now: float) -> _KeyState:
+        st = self.keys.setdefault(key_id, _KeyState())
+        while st.tokens and st.tokens[0][0] <= now - WINDOW_S:
+            st.tokens_sum -= st.tokens.popleft()[1]
+        for lease in [k for k, v in st.leases.items() if v <= now]:
+            del st.leases[lease]
+            self.lease_owner.pop(lease, None)
+        return st
+
+    def admit(
+        self,
+        key_id: str,
+        max_concurrent: int | None,
+        tokens_per_minute: int | None,
+        prompt_tokens: int,
+    ) -> dict[str, Any]:
+        """Take a lease for one request of `prompt_tokens`, or refuse it.
+
+        Returns {"lease": int} (the prompt's tokens are charged now), or
+        {"retry_after_s": float, "reason": "concurrency" | "tokens"} with nothing
+        charged. A prompt larger than the whole per-minute budget is refused with
+        "reason": "too_large" (it can never be admitted)."""
+        now = self.clock()
+        st = self._state(key_id, now)
+        if max_concurrent is not None and len(st.leases) >= max_concurrent:
+            self.refused["concurrency"] += 1
+            return {"retry_after_s": 1.0, "reason": "concurrency"}
+        if tokens_per_minute is not None:
+            if prompt_tokens > tokens_per_minute:
+                self.refused["too_large"] += 1
+                return {"retry_after_s": math.inf, "reason": "too_large"}
+            if st.tokens_sum + prompt_tokens > tokens_per_minute:
+                # Wait until enough of the oldest charges leave the window.
+                need = st.tokens_sum + prompt_tokens - tokens_per_minute
+                freed, when = 0, now
+                for t, n in st.tokens:
+                    freed += n
+                    when = t + WINDOW_S
+                    if freed >= need:
+                        break
+                self.refused["tokens"] += 1
+                return {"retry_after_s": max(0.0, when - now), "reason": "tokens"}
+        lease = next(self._ids)
+        st.leases[lease] = now + self.lease_ttl_s
+        self.lease_owner[lease] = key_id
+        self._charge(st, now, prompt_tokens)
+        return {"lease": lease}
+
+    def release(self, lease: int, completion_tokens: int = 0) -> None:
+        """End a lease, charging the completion's tokens. Unknown leases (expired,
+        or from before a restart) are ignored; the tokens are charged if the key
+        is known."""
+        key_id = self.lease_owner.pop(lease, None)
+        if key_id is None:
+            return
+        now = self.clock()
+        st = self._state(key_id, now)
+        st.leases.pop(lease, None)
+        self._charge(st, now, completion_tokens)
+
+    @staticmethod
+    def _charge(st: _KeyState, now: float, tokens: int) -> None:
+        if tokens > 0:
+            st.tokens.append((now, tokens))
+            st.tokens_sum += tokens
+
+    def usage(self, key_id: str) -> dict[str, int]:
+        """{"in_flight", "tokens_last_minute"} of a key."""
+        st = self._state(key_id, self.clock())
+        return {"in_flight": len(st.leases), "tokens_last_minute": st.tokens_sum}
+
+    def check_integrity(self) -> None:
+        """Every lease has one owner and sits in that owner's state; sums match."""
+        owned = 0
+        for key_id, st in self.keys.items():
+            for lease in st.leases:
+                assert self.lease_owner.get(lease) == key_id, (lease, key_id)
+            owned += len(st.leases)
+            assert st.tokens_sum == sum(n for _, n in st.tokens), key_id
+        assert owned == len(self.lease_owner), (owned, len(self.lease_owner))
+
+
+class LimitsActor:
+    """Ray actor shell of a LimitBook (one call at a time)."""
+
+    def __init__(self, lease_ttl_s: float = 3600.0) -> None:
+        self.book = LimitBook(lease_ttl_s)
+
+    def admit(
+        self,
+        key_id: str,
+        max_concurrent: int | None,
+        tokens_per_minute: int | None,
+        prompt_tokens: int,
+    ) -> dict[str, Any]:
+        return self.book.admit(key_id, max_concurrent, tokens_per_minute, prompt_tokens)
+
+    def release(self, lease: int, completion_tokens: int = 0) -> None:
+        self.book.release(lease, completion_tokens)
+
+    def usage(self, key_id: str) -> dict[str, int]:
+        return self.book.usage(key_id)
+
+
+def get_limits() -> Any:
+    """The deployment's limits actor, created on first use (on the head node)."""
+    import ray
+
+    remote = ray.remote(LimitsActor)
+    return remote.options(  # type: ignore[attr-defined]
+        name=LIMITS_NAME,
+        namespace=LIMITS_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_restarts=-1,
+        max_concurrency=1,
+        resources={"node:__internal_head__": 0.001},
+    ).remote()
+
+
+def kill_limits() -> None:
+    """Stop the limits actor if it runs (on `spur serve` shutdown and in tests)."""
+    import ray
+
+    try:
+        actor = ray.get_actor(LIMITS_NAME, namespace=LIMITS_NAMESPACE)
+    except ValueError:
+        return
+    ray.kill(actor, no_restart=True)

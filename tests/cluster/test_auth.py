@@ -1,0 +1,205 @@
+"""API keys and the middleware's decisions (cluster/auth.py), without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from spur.actors.engine.hashing import BlockHasher, tenant_salt
+from spur.cluster.auth import (
+    AuthConfigError,
+    AuthGuard,
+    AuthMiddleware,
+    KeyStore,
+    bearer_token,
+    install_guard,
+    is_loopback,
+    load_keys,
+    parse_keys,
+)
+from spur.cluster.errors import ProtocolError, classify
+
+KEYS = """
+keys:
+  - {key: sk-alice-0123456789, name: alice, tenant: acme, tokens_per_minute: 1000}
+  - {key: sk-bob-0123456789, name: bob, tenant: globex, max_concurrent_requests: 2}
+  - {key: sk-ops-0123456789, name: ops, admin: true}
+"""
+
+
+def guard(**kwargs: Any) -> AuthGuard:
+    return AuthGuard(KeyStore(parse_keys(KEYS, "test")), **kwargs)
+
+
+def test_keys_are_kept_as_digests_only() -> None:
+    entries = parse_keys(KEYS, "test")
+    assert [e.name for e in entries] == ["alice", "bob", "ops"]
+    assert [e.tenant for e in entries] == ["acme", "globex", "ops"]  # default: the name
+    for e in entries:
+        assert b"sk-" not in repr(e).encode() and "sk-" not in repr(e)
+    assert entries[0].key_digest == hashlib.sha256(b"sk-alice-0123456789").digest()
+    hexed = f"keys: [{{key_sha256: {hashlib.sha256(b'sk-hashed-key-1').hexdigest()}}}]"
+    store = KeyStore(parse_keys(hexed, "test"))
+    assert store.lookup("sk-hashed-key-1") is not None
+    assert store.lookup("sk-hashed-key-2") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "holds no keys"),
+        ("keys: []", "holds no keys"),
+        ("keys: [{key: short}]", "at least 8 characters"),
+        ("keys: [{key: sk-aaaaaaaa, key_sha256: ab}]", "exactly one of"),
+        ("keys: [{key: sk-aaaaaaaa, tenantt: x}]", "unknown field(s) ['tenantt']"),
+        ("keys: [sk-aaaaaaaa, sk-aaaaaaaa]", "the same key as keys[0]"),
+        ("keys: [{key: sk-aaaaaaaa, admin: yes-please}]", "admin: must be true or false"),
+        ("keys: [{key: sk-aaaaaaaa, tokens_per_minute: 0}]", "tokens_per_minute: must be"),
+        ("keys: [{key_sha256: zz}]", "64 hex digits"),
+        ("{keys: [", "not valid YAML or JSON"),
+    ],
+)
+def test_bad_keys_name_the_problem_and_never_the_key(text: str, needle: str) -> None:
+    with pytest.raises(AuthConfigError) as info:
+        parse_keys(text, "SPUR_API_KEYS")
+    assert needle in str(info.value)
+    assert "SPUR_API_KEYS" in str(info.value)
+    assert "sk-aaaaaaaa" not in str(info.value)
+
+
+def test_load_keys_from_the_variable_and_the_file(tmp_path: Any) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("- sk-from-file-1")
+    auth = {"keys_env": "SPUR_API_KEYS", "keys_file": str(path)}
+    store = load_keys(auth, {"SPUR_API_KEYS": '["sk-from-env-1"]'})
+    assert len(store) == 2 and store.lookup("sk-from-env-1") and store.lookup("sk-from-file-1")
+    assert not load_keys({"keys_env": "SPUR_API_KEYS"}, {})  # unset: auth off
+    assert not load_keys({"keys_env": "SPUR_API_KEYS"}, {"SPUR_API_KEYS": "  "})
+    with pytest.raises(AuthConfigError, match="cannot be read"):
+        load_keys({"keys_file": str(tmp_path / "missing")}, {})
+    with pytest.raises(AuthConfigError, match="configured twice"):
+        load_keys(auth, {"SPUR_API_KEYS": '["sk-from-file-1"]'})
+
+
+def test_guard_routes() -> None:
+    g = guard()
+    # open paths need nothing
+    for path in ("/health", "/health/live", "/metrics"):
+        assert g.check(path, None) is None
+    # missing, malformed, wrong: 401 with OpenAI's body fields
+    for header, code in ((None, "missing_api_key"), ("Basic abc", "missing_api_key"),
+                         ("Bearer sk-nope-0123456789", "invalid_api_key")):  # fmt: skip
+        with pytest.raises(ProtocolError) as info:
+            g.check("/v1/completions", header)
+        assert info.value.status == 401 and info.value.code == code
+        assert info.value.headers["WWW-Authenticate"].startswith("Bearer")
+    alice = g.check("/v1/chat/completions", "Bearer sk-alice-0123456789")
+    assert alice is not None and alice.tenant == "acme" and alice.tokens_per_minute == 1000
+    assert g.check("/tokenize", "bearer  sk-bob-0123456789 ") is not None
+    # roles: API keys never reach /admin, admin keys only /admin
+    with pytest.raises(ProtocolError) as info:
+        g.check("/admin/config", "Bearer sk-alice-0123456789")
+    assert info.value.status == 403
+    assert g.check("/admin/config", "Bearer sk-ops-0123456789") is not None
+    with pytest.raises(ProtocolError) as info:
+        g.check("/v1/completions", "Bearer sk-ops-0123456789")
+    assert info.value.status == 403
+    # an unknown route is closed too (default deny), the docs included
+    with pytest.raises(ProtocolError):
+        g.check("/openapi.json", None)
+
+
+def test_no_keys_means_everything_open() -> None:
+    g = AuthGuard(KeyStore())
+    assert not g.enabled
+    assert g.check("/admin/reset_prefix_cache", None) is None
+    assert g.check("/v1/completions", "Bearer whatever") is None
+
+
+def test_default_limits_apply_where_a_key_sets_none() -> None:
+    g = guard(default_max_concurrent_requests=5, default_tokens_per_minute=77)
+    alice = g.check("/v1/completions", "Bearer sk-alice-0123456789")
+    bob = g.check("/v1/completions", "Bearer sk-bob-0123456789")
+    assert alice is not None and bob is not None
+    assert (alice.max_concurrent_requests, alice.tokens_per_minute) == (5, 1000)
+    assert (bob.max_concurrent_requests, bob.tokens_per_minute) == (2, 77)
+    assert alice.key_id != bob.key_id and "sk-" not in alice.key_id
+
+
+def test_bearer_token() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer abc ") == "abc"
+    assert bearer_token("Bearer ") is None
+    assert bearer_token("Token abc") is None
+    assert bearer_token(None) is None
+
+
+def test_middleware_answers_401_before_the_route_and_passes_the_principal() -> None:
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["state"]["principal"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def call(path: str, headers: list[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b""}
+
+        scope = {"type": "http", "path": path, "headers": headers}
+        await AuthMiddleware(app)(scope, receive, send)
+        return sent
+
+    install_guard(guard())
+    try:
+        sent = asyncio.run(call("/v1/completions", []))
+        assert sent[0]["status"] == 401 and not seen
+        body = json.loads(sent[1]["body"])
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        sent = asyncio.run(call("/v1/models", [(b"authorization", b"Bearer sk-bob-0123456789")]))
+        assert sent[0]["status"] == 200 and seen[-1].name == "bob"
+        sent = asyncio.run(call("/health", []))
+        assert sent[0]["status"] == 200 and seen[-1] is None
+    finally:
+        install_guard(None)
+
+
+def test_tenant_salt_separates_tenants_and_keeps_one_tenant_together() -> None:
+    hasher = BlockHasher(4)
+    ids = list(range(32))
+    acme = hasher.chain(ids, cache_salt=tenant_salt("acme", None))
+    assert acme == hasher.chain(ids, cache_salt=tenant_salt("acme", None))
+    assert not set(acme) & set(hasher.chain(ids, cache_salt=tenant_salt("globex", None)))
+    # a client's cache_salt cannot forge another tenant's scope
+    assert tenant_salt("a", "b") != tenant_salt("a:b", None)
+    assert tenant_salt("ab", None) != tenant_salt("a", "b")
+    assert tenant_salt(None, "x") == "x" and tenant_salt(None, None) is None
+
+
+def test_one_error_classifier() -> None:
+    class BackPressureError(Exception):
+        pass
+
+    class RayActorError(Exception):
+        pass
+
+    assert classify(BackPressureError()).status == 429
+    assert classify(BackPressureError()).headers["Retry-After"] == "1"
+    assert classify(RayActorError()).status == 503
+    err = classify(KeyError("secret detail"))
+    assert err.status == 500 and "secret" not in err.message
+    same = ProtocolError(400, "x")
+    assert classify(same) is same
+
+
+def test_is_loopback() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")

@@ -1,0 +1,76 @@
+"""Per-key limits bookkeeping (cluster/limits.py) with a fake clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from spur.cluster.limits import WINDOW_S, LimitBook
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_concurrency_lease_and_release() -> None:
+    book = LimitBook(clock=Clock())
+    a = book.admit("k", 2, None, 10)
+    b = book.admit("k", 2, None, 10)
+    assert "lease" in a and "lease" in b
+    refused = book.admit("k", 2, None, 10)
+    assert refused == {"retry_after_s": 1.0, "reason": "concurrency"}
+    assert "lease" in book.admit("other", 2, None, 10)  # keys are independent
+    book.release(a["lease"], 5)
+    assert "lease" in book.admit("k", 2, None, 10)
+    book.release(a["lease"], 5)  # twice: ignored
+    book.check_integrity()
+
+
+def test_tokens_per_minute_window_and_retry_after() -> None:
+    clock = Clock()
+    book = LimitBook(clock=clock)
+    first = book.admit("k", None, 100, 60)
+    book.release(first["lease"], 30)  # 90 used
+    clock.t += 10
+    refused = book.admit("k", None, 100, 20)
+    assert refused["reason"] == "tokens"
+    # the first charges (60 + 30 at t=1000) leave the window at t=1060: 50 s from now
+    assert math.isclose(refused["retry_after_s"], WINDOW_S - 10)
+    assert "lease" in book.admit("k", None, 100, 10)  # 100 fits exactly
+    clock.t += WINDOW_S
+    assert book.usage("k")["tokens_last_minute"] == 0
+    assert book.admit("k", None, 100, 101)["reason"] == "too_large"
+    book.check_integrity()
+
+
+def test_unreleased_leases_expire() -> None:
+    clock = Clock()
+    book = LimitBook(lease_ttl_s=30, clock=clock)
+    assert "lease" in book.admit("k", 1, None, 1)
+    assert book.admit("k", 1, None, 1)["reason"] == "concurrency"
+    clock.t += 31  # its ingress died: the lease goes
+    assert "lease" in book.admit("k", 1, None, 1)
+    book.check_integrity()
+
+
+def test_random_sequences_keep_the_books_consistent() -> None:
+    rng = random.Random(7)
+    clock = Clock()
+    book = LimitBook(lease_ttl_s=50, clock=clock)
+    held: list[int] = []
+    for _ in range(3000):
+        clock.t += rng.random() * 2
+        if held and rng.random() < 0.5:
+            book.release(held.pop(rng.randrange(len(held))), rng.randrange(50))
+        else:
+            key = f"k{rng.randrange(3)}"
+            answer = book.admit(key, rng.choice([None, 3]), rng.choice([None, 500]), 10)
+            if "lease" in answer:
+                held.append(answer["lease"])
+        book.check_integrity()
+        for key in ("k0", "k1", "k2"):
+            assert book.usage(key)["in_flight"] <= len(held)

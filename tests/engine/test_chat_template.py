@@ -1,0 +1,65 @@
+"""The one chat-templating function (actors/engine/chat_template.py) on SmolLM2's
+real tokenizer and template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids, render_chat
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from transformers import AutoTokenizer
+
+    from spur.actors.worker.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("SmolLM2-135M-Instruct"))
+
+
+MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+
+
+def test_generation_prompt_is_applied_or_not(tok: Any) -> None:
+    with_prompt = render_chat(tok, MESSAGES[:1], add_generation_prompt=True)
+    without = render_chat(tok, MESSAGES[:1], add_generation_prompt=False)
+    assert with_prompt.endswith("<|im_start|>assistant\n")
+    assert with_prompt.startswith(without) and not without.endswith("assistant\n")
+
+
+def test_continue_final_message_leaves_the_last_message_open(tok: Any) -> None:
+    text = render_chat(tok, MESSAGES, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("Hello the")
+    closed = render_chat(tok, MESSAGES, add_generation_prompt=False)
+    assert closed.rstrip().endswith("<|im_end|>")
+    ids = chat_token_ids(tok, MESSAGES, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(ids).endswith("Hello the")
+
+
+def test_contradictions_and_missing_templates_are_errors(tok: Any) -> None:
+    with pytest.raises(ChatTemplateError, match="cannot be combined"):
+        render_chat(tok, MESSAGES, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="assistant"):
+        render_chat(tok, MESSAGES[:1], add_generation_prompt=False, continue_final_message=True)
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(NoTemplate(), MESSAGES)
+
+
+def test_a_template_that_raises_is_a_chat_template_error(tok: Any) -> None:
+    strict = "{% for m in messages %}{% if m.role == 'system' %}" \
+        "{{ raise_exception('system messages are not supported') }}{% endif %}" \
+        "{{ m.content }}{% endfor %}"  # fmt: skip
+    original = tok.chat_template
+    tok.chat_template = strict
+    try:
+        assert render_chat(tok, MESSAGES[:1], add_generation_prompt=False) == "Hi"
+        with pytest.raises(ChatTemplateError, match="system messages are not supported"):
+            render_chat(tok, [{"role": "system", "content": "x"}], add_generation_prompt=False)
+    finally:
+        tok.chat_template = original
