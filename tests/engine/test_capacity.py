@@ -186,11 +186,12 @@ def test_leak_detector_fires_with_the_stop_at_null_loop(monkeypatch, caplog):
 def test_cli_capacity_simulation_json(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(HYBRID_CONFIG))
+    # States in bf16 like the KV cache (their default is float32, as cache.state_dtype).
     code = main(
         [
             "capacity", "--model", str(cfg), "--block-size", "800", "--num-blocks", "2000",
             "--max-model-len", "131072", "--simulate-prompt", "84495", "--chunk", "2048",
-            "--decode", "100", "--state-dtype", "bfloat16", "--json",
+            "--decode", "100", "--json", "--state-dtype", "bfloat16",
         ]
     )  # fmt: skip
     # States sized in bfloat16 here (the default follows cache.state_dtype, float32).
