@@ -194,7 +194,6 @@ def test_cli_capacity_simulation_json(tmp_path, capsys):
             "--decode", "100", "--json", "--state-dtype", "bfloat16",
         ]
     )  # fmt: skip
-    # States sized in bfloat16 here (the default follows cache.state_dtype, float32).
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_blocks"] == 2000 and result["block_size"] == 800
