@@ -19,6 +19,7 @@ from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
 from spur.actors.engine.hashing import DEFAULT_HASH_SEED
 from spur.actors.engine.kv_cache_manager import KVCacheConfig
 from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.spec_decode import SpeculativeConfig
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
 
@@ -49,6 +50,20 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     state_dtype: str = "float32"
+    num_speculative_tokens: int = 0
+    """n-gram speculative decoding: most drafts per request and step (0: off)."""
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The scheduler's speculation settings, or None when it is off."""
+        if not self.num_speculative_tokens:
+            return None
+        return SpeculativeConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
+        )
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -126,6 +141,7 @@ def build_engine(
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 policy=args.policy,
+                speculative=args.speculative(),
             ),
             kv_config,
             enable_kv_events=enable_kv_events,

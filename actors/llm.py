@@ -88,7 +88,7 @@ class LLM:
         return rid
 
     def _run(self, processor: OutputProcessor) -> Iterator[list[Delta]]:
-        peak_slots = peak_held = steps = 0
+        peak_slots = peak_held = steps = running_at_peak = 0
         preempt_before = self.scheduler.total_preemptions
         block_size = self.scheduler.block_size
         while self.engine.has_unfinished_requests():
@@ -96,6 +96,8 @@ class LLM:
             steps += 1
             held = sum(len(r.all_token_ids) for r in self.scheduler.running)
             slots = (self.scheduler.kv.pool.num_blocks - 1 - stats.num_free_blocks) * block_size
+            if slots > peak_slots:
+                running_at_peak = len(self.scheduler.running)
             peak_slots, peak_held = max(peak_slots, slots), max(peak_held, held)
             update = processor.process(outputs)
             if update.to_finish:
@@ -105,6 +107,8 @@ class LLM:
             "steps": steps,
             "kv_slots_allocated_peak": peak_slots,
             "kv_tokens_held_peak": peak_held,
+            "kv_blocks_used_peak": peak_slots // block_size,
+            "running_at_kv_peak": running_at_peak,
             "num_preemptions": self.scheduler.total_preemptions - preempt_before,
             "step_times": self.executor.collective_rpc("step_times")[0],
         }

@@ -60,12 +60,21 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
         "attn_backend": engine.runtime.attn_backend,
         "seed": engine.runtime.seed,
         "num_threads": engine.runtime.num_threads,
+        "state_dtype": engine.cache.state_dtype,
         **(
             {"test_leak_blocks_per_step": engine.runtime.test_leak_blocks_per_step}
             if engine.runtime.test_leak_blocks_per_step
             else {}
         ),
-        "state_dtype": engine.cache.state_dtype,
+        **(
+            {
+                "num_speculative_tokens": engine.speculative.num_speculative_tokens,
+                "prompt_lookup_min": engine.speculative.prompt_lookup_min,
+                "prompt_lookup_max": engine.speculative.prompt_lookup_max,
+            }
+            if engine.speculative is not None
+            else {}
+        ),
     }
 
 

@@ -4,7 +4,7 @@
     spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core|engine|serve|routing [--json]
+    spur bench core|engine|serve|routing|autoscale|spec [--json]
     spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
     spur top --url URL [--once] [--admin-key KEY]
 
@@ -15,6 +15,7 @@ one-line error with the usage and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
-BENCHES = ("core", "engine", "routing", "serve")
+BENCHES = ("core", "engine", "routing", "serve", "autoscale", "spec")
 
 
 class UsageError(Exception):
@@ -115,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--seed", type=int, default=0)
     core.add_argument("--json", action="store_true")
     serve_b = bench_sub.add_parser("serve", help="HTTP path vs the offline engine, same workload")
-    serve_b.add_argument("--url", required=True, help="a running spur server")
+    serve_b.add_argument("--url", default=None, help="a running spur server (not with --peer)")
     serve_b.add_argument("--model", default=None, help="model name (default: the first lane)")
-    serve_b.add_argument("--concurrency", default="1,8,32")
+    serve_b.add_argument("--concurrency", default=None, help="default 1,8,32; --peer: 1,4,16")
     serve_b.add_argument("--requests", type=_positive, default=None, help="per level")
     serve_b.add_argument("--seed", type=int, default=0)
     serve_b.add_argument(
@@ -136,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b.add_argument(
         "--admin-key", default=None, help="admin key for /admin/* (env SPUR_ADMIN_KEY)"
     )
+    # --peer: spur serve side by side with another server, both started by the bench.
+    serve_b.add_argument("--peer", choices=["llama-cpp"], default=None, help="builds it once")
+    serve_b.add_argument("--dtypes", default="float32,bfloat16", help="--peer: spur dtypes")
+    serve_b.add_argument("--threads", type=_positive, default=2, help="--peer: CPU threads each")
+    serve_b.add_argument("--max-tokens", type=_positive, default=128, help="--peer: per request")
+    serve_b.add_argument("--config", default="local", help="--peer: spur's config (one lane)")
+    serve_b.add_argument("--llama-sdist", default=None, help="--peer: llama-cpp-python sdist")
+    serve_b.add_argument("--plot", default=None, metavar="PATH.png", help="draw the result")
+    serve_b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     routing = bench_sub.add_parser(
         "routing", help="round robin vs power of two vs prefix routing, multi-turn workload"
     )
@@ -161,11 +171,47 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default="SmolLM2-135M-Instruct")
     engine.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
     engine.add_argument(
+        "--prefix-hit",
+        type=int,
+        default=None,
+        help="also time a prefill with a cached prefix of N tokens vs cold "
+        "(default: 2048 for --model hybrid, else 0)",
+    )
+    engine.add_argument(
         "--matmul-floor",
         action="store_true",
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
     )
     engine.add_argument("--json", action="store_true")
+    auto = bench_sub.add_parser(
+        "autoscale", help="step load on a lane autoscaling 1 -> 2 replicas on fake Ray nodes"
+    )
+    auto.add_argument("--model", default="SmolLM2-135M-Instruct")
+    auto.add_argument("--low", type=_positive, default=2, help="streams of the low load")
+    auto.add_argument("--high", type=_positive, default=16, help="streams of the high load")
+    auto.add_argument("--low-seconds", type=float, default=10.0)
+    auto.add_argument("--high-hold-seconds", type=float, default=20.0)
+    auto.add_argument("--max-tokens", type=_positive, default=48)
+    auto.add_argument("--upscale-delay", type=float, default=2.0)
+    auto.add_argument("--downscale-delay", type=float, default=6.0)
+    auto.add_argument("--json", action="store_true")
+    spec = bench_sub.add_parser(
+        "spec", help="n-gram speculative decoding on vs off (repeat and chat workloads)"
+    )
+    spec.add_argument("--model", default="SmolLM2-135M-Instruct")
+    spec.add_argument("--dtype", default="float32")
+    spec.add_argument("--concurrency", default="1,16", help="comma-separated levels")
+    spec.add_argument("--workloads", default="repeat,chat")
+    spec.add_argument("--requests", type=_positive, default=4, help="requests per level (>= c)")
+    spec.add_argument("--rounds", type=_positive, default=2)
+    spec.add_argument("--num-speculative-tokens", type=_positive, default=4)
+    spec.add_argument("--prompt-lookup-min", type=_positive, default=2)
+    spec.add_argument("--prompt-lookup-max", type=_positive, default=4)
+    spec.add_argument("--seed", type=int, default=0)
+    spec.add_argument("--max-tokens", type=_positive, default=None, help="cap every output")
+    spec.add_argument("--num-threads", type=_positive, default=None, help="torch threads")
+    spec.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
+    spec.add_argument("--json", action="store_true")
     _observability_parsers(sub)
     return parser
 
@@ -242,7 +288,15 @@ def json_stdout() -> TextIO:
     """Keep stdout for one JSON document: point file descriptor 1 (print, logging
     to stdout, child processes, Ray's forwarded worker log lines such as
     "(raylet) Task ... failed") at stderr, and return a stream on the original
-    stdout for the result, so that `spur ... --json | jq` always parses."""
+    stdout for the result, so that `spur ... --json | jq` always parses.
+
+    When `sys.stdout` is not file descriptor 1 (replaced or captured, as under
+    pytest or when the CLI is called as a library), it is returned as it is."""
+    try:
+        if sys.stdout.fileno() != 1:
+            return sys.stdout
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return sys.stdout
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
@@ -463,27 +517,82 @@ def _print_capacity(r: dict[str, Any]) -> None:
         print(f"  simulation: peak {r['peak_blocks_held']} vs formula {r['geometry_blocks']}")
 
 
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(_positive(c) for c in text.split(",") if c)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--concurrency {text!r}: {e}") from None
+
+
+def _plot_ready() -> bool:
+    """matplotlib is there (checked before a long bench, not after it)."""
+    from spur.cluster.bench import plot
+
+    try:
+        plot.pyplot()
+    except RuntimeError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _bench_peer(args: argparse.Namespace) -> Any:
+    """`bench serve --peer llama-cpp`: both servers started here (cluster/bench/peer.py)."""
+    from pathlib import Path
+
+    from spur.cluster.bench import peer
+
+    if args.url:
+        raise UsageError("--peer starts its own servers: drop --url")
+    try:
+        result = peer.run(
+            dtypes=tuple(d for d in args.dtypes.split(",") if d),
+            concurrencies=_levels(args.concurrency or "1,4,16"),
+            requests_per_level=args.requests or 64,
+            max_tokens=args.max_tokens,
+            rounds=args.rounds,
+            seed=args.seed,
+            threads=args.threads,
+            config=args.config,
+            sdist=Path(args.llama_sdist) if args.llama_sdist else None,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
+        print(f"spur: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return result
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     out = json_stdout() if getattr(args, "json", False) else None
     if args.bench == "core":
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
+    elif args.bench == "serve" and args.plot and not _plot_ready():
+        return 1
+    elif args.bench == "serve" and args.peer:
+        result = _bench_peer(args)
     elif args.bench == "serve":
         from spur.cluster.bench import serve
         from spur.configs.env import client_api_key
 
+        if not args.url:
+            raise UsageError("give --url of a running spur server (or --peer llama-cpp)")
         try:
             result = serve.run(
                 url=args.url,
                 model=args.model,
-                concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
+                concurrencies=_levels(args.concurrency or "1,8,32"),
                 seed=args.seed,
                 requests_per_level=args.requests,
                 rounds=args.rounds,
                 baseline_url=args.baseline_url,
                 api_key=args.api_key or client_api_key(),
                 admin_key=args.admin_key or client_api_key(admin=True),
+                progress=not args.no_progress,
             )
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot benchmark {args.url}: {e}") from None
@@ -523,9 +632,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model=args.model,
             quick=args.quick,
             matmul_floor=args.matmul_floor,
+            prefix_hit_tokens=(
+                args.prefix_hit
+                if args.prefix_hit is not None
+                else (2048 if args.model == "hybrid" else 0)
+            ),
         )
+    elif args.bench == "autoscale":
+        from spur.cluster.bench import autoscale
+
+        try:
+            result = autoscale.run(
+                model=args.model,
+                low=args.low,
+                high=args.high,
+                low_s=args.low_seconds,
+                high_hold_s=args.high_hold_seconds,
+                max_tokens=args.max_tokens,
+                upscale_delay_s=args.upscale_delay,
+                downscale_delay_s=args.downscale_delay,
+            )
+        except RuntimeError as e:
+            raise UsageError(f"the autoscale benchmark could not run: {e}") from None
+    elif args.bench == "spec":
+        from spur.cluster.bench import spec
+
+        try:
+            result = spec.run(
+                model=args.model,
+                dtype=args.dtype,
+                concurrencies=tuple(int(c) for c in args.concurrency.split(",") if c),
+                workloads=tuple(w for w in args.workloads.split(",") if w),
+                requests=args.requests,
+                rounds=args.rounds,
+                num_speculative_tokens=args.num_speculative_tokens,
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+                seed=args.seed,
+                quick=args.quick,
+                max_tokens=args.max_tokens,
+                num_threads=args.num_threads,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
+    if args.bench == "serve" and args.plot:
+        from spur.cluster.bench import plot
+
+        result["plot"] = str(plot.draw(result, args.plot))
     if out is not None:
         print_json(out, result)
     else:

@@ -18,12 +18,11 @@ blocks. No client input makes this answer 5xx or stop serving: a 500 means a bug
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
-import json
 import logging
-import threading
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -69,33 +68,39 @@ _SERVED: list[str] = []  # this process's served model names (set by the Ingress
 
 def _openapi() -> dict[str, Any]:
     """FastAPI's document plus the request models (the routes read raw bodies, so
-    FastAPI cannot see them), with `model` narrowed to the served names."""
+    FastAPI cannot see them), with `model` narrowed to the served names. Built
+    per set of served names, not cached on the app: Serve serves a copy of the
+    app, taken before the Ingress knows its lanes."""
+    import importlib
+
     from fastapi.openapi.utils import get_openapi
 
-    if app.openapi_schema is None:
+    here = importlib.import_module(__name__)  # this process's module state
+    served = tuple(here._SERVED)
+    doc = here._OPENAPI.get(served)
+    if doc is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(
-            P.request_schemas(_SERVED)
-        )
-        app.openapi_schema = doc
-    return app.openapi_schema
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(P.request_schemas(served))
+        here._OPENAPI.clear()
+        here._OPENAPI[served] = doc
+    return doc
 
 
+_OPENAPI: dict[tuple[str, ...], dict[str, Any]] = {}
 app.openapi = _openapi  # type: ignore[method-assign]
 app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/metrics.py)
 
 
 # -- module helpers ---------------------------------------------------------------------
-_TOKENIZER_LOCK = threading.Lock()
+_TOKENIZER_LOCK = asyncio.Lock()
+"""One tokenizer load at a time: lanes warm up concurrently, and a first import of
+transformers from two threads at once can fail half-initialised."""
 
 
 def _load_tokenizer(model_dir: str) -> Any:
-    # One at a time: lanes warm up concurrently, and a first import of transformers
-    # from two threads at once can fail half-initialized (a lane then never warms).
-    with _TOKENIZER_LOCK:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _params_dict(params: Any) -> dict[str, Any]:
@@ -145,6 +150,29 @@ async def _collect(fan: FanOut, n: int, prompts: list[list[int]]) -> list[Reques
         elif item["type"] == "final":
             out.num_cached_tokens = item.get("num_cached_tokens", 0)
     return outs
+
+
+@contextlib.contextmanager
+def _own_internal_request_id() -> Iterator[None]:
+    """Give the handle call(s) made inside a fresh Serve internal request id.
+
+    Serve 2.60 copies the HTTP request's internal id into every handle call made
+    while serving it, and its request router indexes pending requests by that id:
+    of two calls of one HTTP request pending at once (a completion's prompts,
+    opened concurrently), the second is never assigned a replica and waits
+    forever. One id per engine call keeps them apart (the public request_id,
+    used in logs and tracing, stays the HTTP request's)."""
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+    current = _get_serve_request_context()
+    token = _serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=generate_request_id())
+    )
+    try:
+        yield
+    finally:
+        _serve_request_context.reset(token)
 
 
 def _as_protocol_error(exc: BaseException) -> ProtocolError:
@@ -285,9 +313,11 @@ class Ingress:
         own = stats or spare_stats
         assert own is not None
         lane.max_model_len = int(own["max_model_len"])
-        lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
+        async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
+            lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
         if spare and stats and spare_stats and spare_stats["model_dir"] != stats["model_dir"]:
-            other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
+            async with _TOKENIZER_LOCK:
+                other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
             if other.get_vocab() != lane.tokenizer.get_vocab():
                 self.selector.disable_spare(
                     lane.name,
@@ -402,12 +432,14 @@ class Ingress:
 
     async def _warm_lanes(self) -> None:
         async def warm(lane: _Lane) -> None:
-            try:
-                async with lane.lock:
-                    if lane.tokenizer is None:
-                        await self._init_lane(lane)
-            except Exception as exc:  # its first request retries; say why it failed
-                logger.warning("warming lane %s failed: %r", lane.name, exc)
+            while lane.tokenizer is None and self.draining is None:
+                try:
+                    async with lane.lock:
+                        if lane.tokenizer is None:
+                            await self._init_lane(lane)
+                except Exception as exc:  # retried: readiness depends on it
+                    logger.warning("lane %s not initialised yet: %r", lane.name, exc)
+                    await asyncio.sleep(1.0)
 
         await asyncio.gather(*(warm(self.lanes[name]) for name in self.primaries))
 
@@ -517,9 +549,10 @@ class Ingress:
                 }
             if attempt:  # a retry may reach a replica that still holds the old id
                 payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
-            gen = target.handle.options(
-                stream=True, _by_reference=self.by_reference
-            ).generate.remote(payload)
+            with _own_internal_request_id():
+                gen = target.handle.options(
+                    stream=True, _by_reference=self.by_reference
+                ).generate.remote(payload)
             if name != lane.name:  # the lane's demand, for its autoscaling policy
                 gen = CountedStream(gen, self.on_spare, lane.name)
             first_task = asyncio.ensure_future(gen.__anext__())
@@ -806,7 +839,10 @@ class Ingress:
             out[name] = entry
         return JSONResponse(out)
 
-    @app.post("/admin/reset_prefix_cache")
+    @app.post(
+        "/admin/reset_prefix_cache",
+        openapi_extra=P.openapi_request_body("/admin/reset_prefix_cache", required=False),
+    )
     async def admin_reset_prefix_cache(self, request: Request) -> Response:
         """Make engines forget their cached prefixes: body {"lane": name} for one lane,
         {"replica_id": id} for one replica, {} for all. Answers the replica ids; each
@@ -814,16 +850,8 @@ class Ingress:
 
         async def work() -> Response:
             body = await self._body(request)
-            try:
-                req = json.loads(body) if body.strip() else {}
-            except ValueError as exc:
-                raise ProtocolError(400, f"body is not JSON: {exc}", code="invalid_json") from None
-            if not isinstance(req, dict):
-                raise ProtocolError(400, "body must be a JSON object", param="body")
-            lane, replica = req.get("lane"), req.get("replica_id")
-            for field, value in (("lane", lane), ("replica_id", replica)):
-                if value is not None and not isinstance(value, str):
-                    raise ProtocolError(400, f"{field} must be a string", param=field)
+            req = P.parse_request(P.ResetPrefixCacheRequest, body if body.strip() else {})
+            lane, replica = req.lane, req.replica_id
             if lane is not None and lane not in self.lanes:
                 raise ProtocolError(
                     404, f"unknown lane {lane!r}; lanes: {sorted(self.lanes)}", param="lane"

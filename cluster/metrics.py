@@ -53,6 +53,9 @@ COUNTER_HELP = {
     "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "spur:kv_leak_violations": "Requests the leak detector saw holding more blocks than the "
     "capacity formula allows.",
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 GAUGE_HELP = {
     "vllm:num_requests_running": "Number of requests in model execution batches.",

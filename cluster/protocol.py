@@ -575,6 +575,14 @@ class DetokenizeRequest(_TopLevel):
         return value
 
 
+class ResetPrefixCacheRequest(_TopLevel):
+    """POST /admin/reset_prefix_cache: {"lane": name} for one lane, {"replica_id": id}
+    for one replica, {} for all."""
+
+    lane: Str | None = None
+    replica_id: Str | None = None
+
+
 def tokenize_response(
     tokens: Sequence[int], max_model_len: int, token_strs: Sequence[str] | None = None
 ) -> dict[str, Any]:
@@ -1087,6 +1095,7 @@ def _register_request_models() -> None:
             "/v1/chat/completions": ChatCompletionRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
+            "/admin/reset_prefix_cache": ResetPrefixCacheRequest,
         }
     )
 
@@ -1115,12 +1124,12 @@ def request_schemas(served_models: Sequence[str] = ()) -> dict[str, dict[str, An
     return out
 
 
-def openapi_request_body(path: str) -> dict[str, Any]:
+def openapi_request_body(path: str, required: bool = True) -> dict[str, Any]:
     """The `requestBody` of a route's OpenAPI operation (for `openapi_extra`)."""
     name = REQUEST_MODELS[path].__name__
     return {
         "requestBody": {
-            "required": True,
+            "required": required,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
         }
     }

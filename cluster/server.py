@@ -50,7 +50,9 @@ def start(cfg: SpurConfig) -> str:
     if server.embedded_ray:
         # Autoscaling stats reach Serve's controller every second (default 10 s).
         os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    serve.start(http_options={"host": server.host, "port": server.port})
+    # Proxies on the head only: the URL announced is the head's, and a proxy on an
+    # engine node would go (cutting its connections) when the autoscaler removes the node.
+    serve.start(http_options={"host": server.host, "port": server.port}, proxy_location="HeadOnly")
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
     return server.url
 
@@ -79,19 +81,28 @@ def wait_ready(
     return False
 
 
-def begin_drain(cfg: SpurConfig, reason: str, settle_s: float = 1.0) -> None:
-    """Tell every ingress to stop taking requests (through the KV index's flag) and
-    give them `settle_s` to notice (they poll it four times a second)."""
+def drain(cfg: SpurConfig, reason: str, margin_s: float = 10.0) -> None:
+    """Drain the deployment before it is deleted: the KV index's drain flag makes every
+    ingress refuse new requests (and /health say 503) and every engine replica drain
+    (finish its requests within its lane's drain_timeout_s, abort the rest, check its
+    pool, leave the index). Returns once no replica is left in the index, or after the
+    longest drain_timeout_s plus `margin_s`."""
     import ray
 
     from spur.cluster.routing.index_actor import get_index, index_kwargs_of
 
+    lanes: list[Any] = [*cfg.lanes, *([cfg.spare] if cfg.spare else [])]
+    deadline = time.monotonic() + max(lane.drain_timeout_s for lane in lanes) + margin_s
     try:
         index = get_index(index_kwargs_of(cfg.router.model_dump()))
         ray.get(index.set_draining.remote(reason), timeout=10)
-        time.sleep(settle_s)
-    except Exception as exc:  # the index is gone: the deletion below still drains
-        logger.warning("could not flag the drain: %s", exc)
+        while time.monotonic() < deadline:
+            if ray.get(index.drain_status.remote(), timeout=10)["remaining"] == 0:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)  # the ingress streams end with their engines' last items
+    except Exception as exc:  # the index is gone: Serve's own shutdown still drains
+        logger.warning("could not drain through the KV index: %s", exc)
 
 
 def _log_drains() -> None:
@@ -117,6 +128,8 @@ def stop(cfg: SpurConfig) -> None:
     from spur.cluster.limits import kill_limits
     from spur.cluster.routing.index_actor import kill_index
 
+    if not ray.is_initialized():  # start failed before Ray ran: nothing to stop (and
+        return  # serve.delete would start a Ray instance of its own)
     try:
         serve.delete(APP_NAME)
         _log_drains()
@@ -139,11 +152,14 @@ def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         url = start(cfg)
+        # ray.init installs its own SIGTERM handler (exit at once): take it back.
+        for s in previous:
+            signal.signal(s, on_signal)
         if wait_ready(url, stop_event):
             announce(url)
         while not stop_event.is_set():
             stop_event.wait(0.2)
-        begin_drain(cfg, "the server received a stop signal")
+        drain(cfg, "the server received a stop signal")
     finally:
         try:
             stop(cfg)

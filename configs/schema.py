@@ -314,6 +314,33 @@ class RuntimeConfig(_Section):
     tested with it). Refused unless SPUR_ALLOW_TEST_SETTINGS=1; keep it 0."""
 
 
+class SpeculativeConfig(_Section):
+    """n-gram (prompt-lookup) speculative decoding, as vLLM's `ngram` method: each
+    step drafts up to `num_speculative_tokens` tokens per request by matching its
+    last n tokens against its own prompt and output, and verifies them in the same
+    forward. Greedy output is unchanged; sampled output keeps its distribution.
+    Pays off when outputs repeat their input (edits, extraction, code); costs a few
+    percent when they do not. Refused for hybrid (recurrent-state) models."""
+
+    method: Literal["ngram"] = "ngram"
+    """Drafting method; only "ngram" (prompt lookup, no draft model) exists."""
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    """Most draft tokens verified per request and step (k)."""
+    prompt_lookup_min: int = Field(2, ge=1, le=16)
+    """Shortest suffix of the request that may match an earlier n-gram."""
+    prompt_lookup_max: int = Field(4, ge=1, le=16)
+    """Longest suffix tried first (longer matches draft more reliably)."""
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({self.prompt_lookup_max}): lower the first or raise the second"
+            )
+        return self
+
+
 class EngineConfig(_Section):
     """One engine replica: model, KV pool, scheduler, parallelism, runtime."""
 
@@ -327,6 +354,8 @@ class EngineConfig(_Section):
     """Tensor parallelism and device."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     """Kernels, seed and threads."""
+    speculative: SpeculativeConfig | None = None
+    """n-gram speculative decoding; unset (null) turns it off."""
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -443,8 +472,8 @@ class LaneConfig(_Section):
     at least scheduler.max_num_seqs, or batches never fill."""
     max_queued_requests: int = Field(512, ge=0, le=1_000_000)
     """Requests Serve holds for this lane when every replica is at
-    max_ongoing_requests; beyond that the API answers 503 with Retry-After. A bound
-    is required (no unbounded queue)."""
+    max_ongoing_requests; beyond that the API answers 429 (code "queue_full") with
+    Retry-After. A bound is required (no unbounded queue)."""
     saturation_queue_threshold: int = Field(32, ge=1, le=1_000_000)
     """Waiting requests per replica beyond which the lane counts as saturated, and new
     traffic goes to the spare (when one serves this lane) until it drains."""
@@ -771,6 +800,7 @@ ALL_MODELS: tuple[type[BaseModel], ...] = (
     SchedulerConfig,
     ParallelConfig,
     RuntimeConfig,
+    SpeculativeConfig,
     SpareConfig,
     RouterConfig,
     ServerConfig,

@@ -16,7 +16,7 @@ as `spur.cluster`, `spur.actors`, `spur.kernels` and `spur.configs`.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -29,10 +29,8 @@ _EXPORTS = {
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
-if TYPE_CHECKING:
-    from spur.actors.engine.outputs import CompletionOutput, RequestOutput
-    from spur.actors.engine.sampling_params import SamplingParams
-    from spur.actors.llm import LLM
+# No TYPE_CHECKING imports of these: a type checker of the engine core would then
+# follow them into the model code (torch) through this package.
 
 
 def __getattr__(name: str) -> Any:

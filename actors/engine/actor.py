@@ -158,7 +158,13 @@ class EngineReplica:
         """Start the drain as soon as Serve begins this replica's graceful shutdown."""
         while self.draining_since is None:
             if _serve_shutting_down():
-                await self.drain()
+                # Abort before Serve kills the replica, whichever grace won (the
+                # chart's serveConfigV2 may set Serve's to exactly drain_timeout_s).
+                grace = _serve_grace_s()
+                timeout = self.drain_timeout_s
+                if grace is not None:
+                    timeout = max(0.0, min(timeout, grace - 2.0))
+                await self.drain(timeout)
                 return
             await asyncio.sleep(period_s)
 
@@ -239,6 +245,9 @@ class EngineReplica:
                     self.replica_id, batches, engine.stats(), snapshot
                 )
                 self._spare_demand = float(answer.get("spare_demand", 0.0))
+                if answer.get("draining") is not None:  # the whole deployment stops
+                    asyncio.get_running_loop().create_task(self.drain())
+                    return
                 last = now
                 if snapshot is not None:
                     last_metrics = now
@@ -378,6 +387,16 @@ def _serve_shutting_down() -> bool:
         return bool(getattr(impl, "_shutting_down", False))
     except Exception:
         return False
+
+
+def _serve_grace_s() -> float | None:
+    """This replica's graceful_shutdown_timeout_s as Serve runs it (None outside Serve)."""
+    try:
+        from ray import serve
+
+        return float(serve.get_replica_context()._deployment_config.graceful_shutdown_timeout_s)
+    except Exception:
+        return None
 
 
 def _set_torch_threads(n: int) -> None:

@@ -90,7 +90,11 @@ class FakeExecutor(Executor):
         eos_token_id: int | None = None,
         eos_per_mille: int = 0,
         simulate_kv: bool = True,
+        model: Callable[[list[int]], int] | None = None,
     ) -> None:
+        """`model(tokens) -> next token` replaces the rolling-hash model (tests of
+        speculative decoding use one whose continuations repeat)."""
+        self.model = model
         self.kv_config = kv_config
         self.block_size = kv_config.block_size
         self.vocab_size = vocab_size
@@ -129,6 +133,9 @@ class FakeExecutor(Executor):
         for i, rid in enumerate(cached.req_ids):
             req = self.reqs[rid]
             req.tokens.extend(cached.new_token_ids[i])
+            if cached.block_table_lengths and (cut := cached.block_table_lengths[i]) is not None:
+                for table, length in zip(req.tables, cut, strict=True):
+                    del table[length:]
             blocks = cached.new_block_ids[i]
             if blocks is not None:
                 for table, extra in zip(req.tables, blocks, strict=True):
@@ -145,17 +152,30 @@ class FakeExecutor(Executor):
             start = req.num_computed
             end = start + n
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-            if end > len(req.tokens) + len(drafts):
-                raise KVCorruption(
-                    f"{rid}: scheduled up to {end}, only {len(req.tokens)} tokens known"
-                )
+            known = len(req.tokens)
+            if end > known + len(drafts):
+                raise KVCorruption(f"{rid}: scheduled up to {end}, only {known} tokens known")
+            drafts = drafts[: max(end - known, 0)]
             if self.simulate_kv:
+                # Drafts' KV is written like any token's: a rejected one's slot then
+                # holds a wrong token, which a missed rollback would read next step.
+                req.tokens.extend(drafts)
                 self._compute(rid, req, start, end)
+                del req.tokens[known:]
+                del req.prefix_hash[known + 1 :]
             req.num_computed = end
-            if end >= len(req.tokens):
-                # Drafts are never accepted by the fake: one token per step.
-                req.num_computed = len(req.tokens)
-                sampled[rid] = [self._next_token(req)]
+            if end >= known:
+                # Greedy verification: keep drafts while they are what the model picks.
+                out_tokens = [self._next_token(req)]
+                for d in drafts:
+                    if out_tokens[-1] != d:
+                        break
+                    req.tokens.append(d)
+                    out_tokens.append(self._next_token(req))
+                del req.tokens[known:]
+                del req.prefix_hash[known + 1 :]
+                req.num_computed = known + len(out_tokens) - 1
+                sampled[rid] = out_tokens
             else:
                 sampled[rid] = []
         return ModelRunnerOutput(sampled_token_ids=sampled)
@@ -173,6 +193,8 @@ class FakeExecutor(Executor):
         return hashes[n]
 
     def _next_token(self, req: _FakeRequest) -> int:
+        if self.model is not None:
+            return self.model(req.tokens)
         if self.simulate_kv:
             h = self._prefix(req, len(req.tokens))
         else:

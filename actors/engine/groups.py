@@ -234,6 +234,19 @@ class GroupManager:
         if table:
             self.pool.free_blocks(reversed(table))
 
+    def truncate(self, req_id: str, num_tokens: int) -> int | None:
+        """Free the table's blocks past the first ceil(num_tokens / bs) (slots of
+        rejected draft tokens, never cached: they lie past the computed tokens).
+        Returns the new table length, or None when nothing was cut."""
+        table = self.tables.get(req_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return None
+        dead = table[keep:]
+        del table[keep:]
+        self.pool.free_blocks(reversed(dead))
+        return keep
+
     def plan_fork(self, parent_id: str, num_computed: int) -> int:
         """New blocks a fork needs: 1 if the block holding the last computed
         token is partly filled (it is copied), else 0."""

@@ -222,6 +222,20 @@ class KVCacheManager:
         self._slots[req_id] = slots
         return out
 
+    def rollback(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Shrink the request's slots to `num_tokens` after rejected drafts: the
+        blocks wholly past them go back to the pool. Returns per group the new
+        table length (the worker must cut its tables to it), or None when no
+        group held a block past them."""
+        req_id = request.request_id
+        if req_id not in self._slots:
+            return None
+        self._slots[req_id] = min(self._slots[req_id], num_tokens)
+        cuts = [m.truncate(req_id, num_tokens) for m in self.managers]
+        if all(c is None for c in cuts):
+            return None
+        return [len(m.tables.get(req_id, ())) for m in self.managers]
+
     def cache_blocks(self, request: Request) -> None:
         """Offer the request's newly completed blocks to the prefix cache. Call
         after the step that computed them (never before: a block is findable

@@ -196,6 +196,9 @@ class EngineMetrics:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.leak_violations = 0
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
@@ -258,6 +261,9 @@ class EngineMetrics:
         self.prefix_queries += stats.prefix_queries
         self.prefix_hits += stats.prefix_hits
         self.leak_violations = stats.kv_leak_violations
+        self.spec_drafts += stats.spec_num_drafts
+        self.spec_draft_tokens += stats.spec_num_draft_tokens
+        self.spec_accepted_tokens += stats.spec_num_accepted_tokens
         self.num_running = stats.num_running
         self.num_waiting = stats.num_waiting
         self.kv_usage = stats.kv_usage
@@ -305,6 +311,9 @@ class EngineMetrics:
                 "vllm:prefix_cache_queries": self.prefix_queries,
                 "vllm:prefix_cache_hits": self.prefix_hits,
                 "spur:kv_leak_violations": self.leak_violations,
+                "vllm:spec_decode_num_drafts": self.spec_drafts,
+                "vllm:spec_decode_num_draft_tokens": self.spec_draft_tokens,
+                "vllm:spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
             },
             "request_success": dict(self.request_success),
             "gauges": {

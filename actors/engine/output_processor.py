@@ -101,6 +101,8 @@ class OutputProcessor:
             if comp.finished:
                 continue  # already ended by a stop string
             comp.token_ids.extend(eo.new_token_ids)
+            comp.num_draft_tokens = eo.num_draft_tokens
+            comp.num_accepted_tokens = eo.num_accepted_tokens
             if eo.new_logprobs:
                 comp.logprobs = (comp.logprobs or []) + eo.new_logprobs
             text = ""

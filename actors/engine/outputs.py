@@ -44,6 +44,10 @@ class CachedRequestData:
     # (None when nothing was appended in any group).
     new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Per request, per group: the length to cut the block table to BEFORE appending
+    # `new_block_ids` (blocks of rejected draft tokens went back to the pool); None
+    # when nothing was cut. Empty when no request was cut (the common case).
+    block_table_lengths: list[list[int] | None] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -105,6 +109,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     parent_id: str | None = None
     index: int = 0
+    # Speculative decoding, over the request's life so far: drafts verified and kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -126,6 +133,9 @@ class SchedulerStats:
     total_preemptions: int = 0
     total_evictions: int = 0
     kv_leak_violations: int = 0  # total requests flagged by the leak detector
+    spec_num_drafts: int = 0  # step, verify steps (requests that had drafts)
+    spec_num_draft_tokens: int = 0  # step
+    spec_num_accepted_tokens: int = 0  # step
 
 
 # -- what a front end returns (offline LLM API, HTTP ingress) ----------------------------
@@ -139,6 +149,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string hit
     logprobs: list[Logprobs] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified so far
+    num_accepted_tokens: int = 0  # ... and kept
 
     @property
     def finished(self) -> bool:

@@ -65,8 +65,10 @@ class Request:
         "eos_token_id",
         "index",
         "mm_spans",
+        "num_accepted_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_draft_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "parent_id",
@@ -116,6 +118,9 @@ class Request:
         self.num_cached_tokens = -1
         """Prompt tokens served by the prefix cache at first admission (-1: not yet)."""
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        """Speculative decoding: draft tokens verified so far, and how many were kept."""
+        self.num_accepted_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that ended the request, if any."""
@@ -189,6 +194,7 @@ class Request:
         )
         child.all_token_ids = list(self.all_token_ids)
         child.spec_token_ids = []
+        child.num_draft_tokens = child.num_accepted_tokens = 0
         child.block_hashes = list(self.block_hashes)
         return child
 

@@ -38,6 +38,7 @@ from spur.actors.engine.outputs import (
 from spur.actors.engine.request import Request, RequestStatus
 from spur.actors.engine.request_queue import make_queue
 from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class SchedulerConfig:
     """Extra slots allocated per step for draft tokens (speculative decoding)."""
     check_kv_bounds: bool = True
     """Run the leak detector on every scheduled request every step."""
+    speculative: SpeculativeConfig | None = None
+    """n-gram speculative decoding (None: off). See `spec_decode.py`."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -107,6 +110,18 @@ class Scheduler:
         # States are cached only at block boundaries: stop a prefill at its last one.
         self._cut_tail = self._align_chunks and kv_config.enable_prefix_caching
         self._check_fits_one_request(kv_config)
+        self.proposer: NgramProposer | None = None
+        if config.speculative is not None:
+            if kv_config.has_state_groups:
+                raise ValueError(
+                    "speculative decoding is not supported for models with recurrent-state "
+                    "layers (hybrid models such as Qwen3-Next / Qwen3.5): their states cannot "
+                    "be rolled back past rejected drafts yet; unset engine.speculative"
+                )
+            self.proposer = NgramProposer(config.speculative)
+        self.spec_stats = SpecStats()
+        """Verify steps since the engine started (all requests)."""
+        self._step_spec = SpecStats()
 
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
@@ -116,6 +131,7 @@ class Scheduler:
         self._known: dict[str, int] = {}  # req ids the worker holds -> tokens it was sent
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
+        self._cuts: dict[str, list[int]] = {}  # table lengths the worker must cut to
 
         self.total_preemptions = 0
         self._step_preemptions = 0
@@ -322,6 +338,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        self._cuts.pop(req.request_id, None)
         req.num_preemptions += 1
         self.total_preemptions += 1
         self._step_preemptions += 1
@@ -370,6 +387,8 @@ class Scheduler:
         cached = CachedRequestData()
         known = self._known
         kv = self.kv
+        cuts = self._cuts
+        has_cuts = bool(cuts)  # then one entry per cached request, in order
         for rid, n in scheduled.items():
             req = requests[rid]
             if rid not in known:
@@ -393,6 +412,8 @@ class Scheduler:
                 )
                 cached.new_block_ids.append(blocks if any(blocks) else None)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+                if has_cuts:
+                    cached.block_table_lengths.append(cuts.pop(rid, None))
             known[rid] = req.num_tokens
             req.num_computed_tokens += n
         total = sum(scheduled.values())
@@ -432,10 +453,22 @@ class Scheduler:
             if spec_all:
                 spec = spec_all.get(rid)
                 if spec:
-                    # Drafts after the first rejected one were not really computed.
-                    rejected = len(spec) + 1 - len(sampled)
-                    if rejected > 0:
-                        req.num_computed_tokens -= rejected
+                    # Roll back: drafts after the first rejected one were not really
+                    # computed. Their KV slots lie past num_computed_tokens, so the next
+                    # step rewrites them before anything reads them, and they are never
+                    # offered to the prefix cache (cache_blocks stops at computed).
+                    accepted = max(len(sampled) - 1, 0)
+                    if accepted < len(spec):
+                        req.num_computed_tokens -= len(spec) - accepted
+                        # Keep the slot of the token sampled now; free what lies past it.
+                        cut = self.kv.rollback(req, req.num_computed_tokens + 1)
+                        if cut is not None:
+                            self._cuts[rid] = cut
+                    req.num_draft_tokens += len(spec)
+                    req.num_accepted_tokens += accepted
+                    self.spec_stats.observe(len(spec), accepted)
+                    self._step_spec.observe(len(spec), accepted)
+            if req.spec_token_ids:
                 req.spec_token_ids = []
             if not sampled or req.num_computed_tokens < len(req.all_token_ids):
                 cache_blocks(req)  # prefill chunk: no token yet
@@ -454,8 +487,23 @@ class Scheduler:
                 logprobs = logprobs[: len(new_tokens)]
             if status is not None:
                 self._finish(req, status)
+            elif self.proposer is not None:
+                self._propose(req)
             outputs.append(self._output(req, new_tokens, logprobs))
         return outputs
+
+    def _propose(self, req: Request) -> None:
+        """Set the request's drafts for its next step (n-gram lookup); none when
+        it could produce at most one more token anyway."""
+        assert self.proposer is not None
+        num_output = req.num_output_tokens
+        max_new = min(
+            req.sampling_params.max_tokens - num_output,
+            self.config.max_model_len - req.num_tokens,
+        )
+        req.spec_token_ids = self.proposer.propose(
+            req.request_id, req.all_token_ids, req.sampling_params, num_output, max_new
+        )
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -482,6 +530,10 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[rid]
         self._pending_forks.pop(rid, None)
+        req.spec_token_ids = []
+        self._cuts.pop(rid, None)
+        if self.proposer is not None:
+            self.proposer.drop(rid)
         if self._known.pop(rid, None) is not None:
             self._finished_ids.add(rid)
 
@@ -498,6 +550,8 @@ class Scheduler:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             parent_id=req.parent_id,
             index=req.index,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
 
     # -- stats and checks ---------------------------------------------------------------
@@ -516,8 +570,13 @@ class Scheduler:
             total_preemptions=self.total_preemptions,
             total_evictions=self.kv.pool.stats.num_evictions,
             kv_leak_violations=self.kv.leaks.num_violations,
+            spec_num_drafts=self._step_spec.num_drafts,
+            spec_num_draft_tokens=self._step_spec.num_draft_tokens,
+            spec_num_accepted_tokens=self._step_spec.num_accepted_tokens,
         )
         prefix.queries = prefix.hits = 0
+        if self._step_spec.num_drafts:
+            self._step_spec = SpecStats()
         return stats
 
     def check_integrity(self) -> None:

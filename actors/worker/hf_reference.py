@@ -266,13 +266,32 @@ class PeakRss:
 
 
 def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of K and V for one token over all layers, in the model's dtype."""
+    """Bytes of K and V for one token over all attention layers, in the model's dtype
+    (hybrid models: their full-attention layers only)."""
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     itemsize = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+    types = getattr(cfg, "layer_types", None)
+    layers = types.count("full_attention") if types else cfg.num_hidden_layers
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def state_bytes_per_sequence(model: Any) -> int:
+    """Bytes of the fixed-size states transformers keeps per sequence (Gated DeltaNet
+    layers: conv state [conv_dim, K] in the model's dtype, recurrent state [Hv, dk,
+    dv] in float32 as its delta rule returns it); 0 for attention-only models."""
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or []
+    num = types.count("linear_attention")
+    if not num:
+        return 0
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    conv = (2 * hk * dk + hv * dv) * cfg.linear_conv_kernel_dim
+    itemsize = next(model.parameters()).element_size()
+    return num * (conv * itemsize + hv * dk * dv * 4)
 
 
 def hf_static_batches(
@@ -301,7 +320,9 @@ def hf_static_batches(
             the most slots, rows x (padded prompt + steps) vs sum(prompt_i + new_i);
         kv_utilization: sum over batches of tokens held / slots allocated, at
             each batch's end (what DynamicCache holds then);
-        kv_bytes_per_token, kv_bytes_peak: the KV cache size those slots take;
+        kv_bytes_per_token, kv_bytes_peak: the KV cache size those slots take (plus
+            the rows' fixed states for hybrid models, `state_bytes_per_sequence`),
+            and per row of that batch (`kv_bytes_per_request_at_peak`);
         peak_rss_delta_bytes: sampled RSS growth during the timed region;
         torch_num_threads.
     """
@@ -314,7 +335,7 @@ def hf_static_batches(
         _generate_batch(model, [list(prompts[0][:8])], 2, stop_at_eos=False)
     token_ids: list[list[int]] = []
     decoded = slots_total = held_total = 0
-    slots_peak = held_at_peak = 0
+    slots_peak = held_at_peak = rows_at_peak = 0
     batches = 0
     with PeakRss() as rss:
         t0 = time.perf_counter()
@@ -334,11 +355,13 @@ def hf_static_batches(
             slots_total += slots
             held_total += held
             if slots > slots_peak:
-                slots_peak, held_at_peak = slots, held
+                slots_peak, held_at_peak, rows_at_peak = slots, held, len(batch)
         elapsed = time.perf_counter() - t0
     useful = sum(len(t) for t in token_ids)
     assert useful == sum(limits), (useful, sum(limits))
     per_token = kv_bytes_per_token(model)
+    per_seq = state_bytes_per_sequence(model)
+    kv_bytes_peak = slots_peak * per_token + rows_at_peak * per_seq
     return {
         "token_ids": token_ids,
         "useful_tokens": useful,
@@ -352,7 +375,9 @@ def hf_static_batches(
         "kv_tokens_held_peak": held_at_peak,
         "kv_utilization": round(held_total / slots_total, 4) if slots_total else None,
         "kv_bytes_per_token": per_token,
-        "kv_bytes_peak": slots_peak * per_token,
+        "state_bytes_per_sequence": per_seq,
+        "kv_bytes_peak": kv_bytes_peak,
+        "kv_bytes_per_request_at_peak": kv_bytes_peak // rows_at_peak if rows_at_peak else None,
         "peak_rss_delta_bytes": rss.delta_bytes,
         "torch_num_threads": torch.get_num_threads(),
     }

@@ -14,6 +14,7 @@ per-step allocation for the big ones):
     seq_lens     [ c_r + n_r ]                                                 [num_reqs]
     block_table  [ table_r padded with 0 ]                                     [num_reqs, width]
     logits_index [ query_start[r+1] - 1 for requests that sample ]            [num_sampling]
+                 (a verify step: the last 1 + num_drafts rows of the request)
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ class StepInputs:
     query_start_loc: np.ndarray  # [num_reqs + 1] int32
     seq_lens: np.ndarray  # [num_reqs] int32
     block_table: np.ndarray  # [num_reqs, width] int32
-    logits_indices: np.ndarray  # [num_sampling] int64
+    logits_indices: np.ndarray  # [num_sampling + drafts] int64
     sampling_req_ids: list[str]
+    drafts: dict[str, list[int]]
+    """Draft tokens verified this step, per sampling request that has any; such a
+    request owns 1 + len(drafts) consecutive logits rows (one per draft, then the last)."""
     num_tokens: int
     max_query_len: int
     max_seq_len: int
@@ -93,6 +97,11 @@ class RequestStates:
             new_tokens = cached.new_token_ids[i]
             if new_tokens:
                 state.token_ids.extend(new_tokens)
+            if cached.block_table_lengths and (cut := cached.block_table_lengths[i]) is not None:
+                # Blocks of rejected drafts went back to the pool: cut before appending.
+                tables = state.group_block_ids or [state.block_ids]
+                for table, length in zip(tables, cut, strict=True):
+                    del table[length:]
             blocks = cached.new_block_ids[i]
             if blocks is not None:
                 if state.group_block_ids is None:
@@ -122,6 +131,7 @@ class RequestStates:
         tables = []
         logits_indices = []
         sampling_ids = []
+        drafts: dict[str, list[int]] = {}
         spec = out.scheduled_spec_decode_tokens
         start = 0
         for r, rid in enumerate(req_ids):
@@ -147,8 +157,12 @@ class RequestStates:
             qsl[r + 1] = start
             seq_lens[r] = end
             if end >= len(tokens):  # the request's last known token runs: sample
-                logits_indices.append(start - 1)
+                # A verify step samples at its last known token and at every draft.
+                num_drafts = end - len(tokens)
+                logits_indices.extend(range(start - 1 - num_drafts, start))
                 sampling_ids.append(rid)
+                if num_drafts:
+                    drafts[rid] = spec[rid][:num_drafts]
         block_table = np.zeros((num_reqs, width), dtype=np.int32)
         for r, table in enumerate(tables):
             block_table[r, : len(table)] = table
@@ -162,6 +176,7 @@ class RequestStates:
             block_table=block_table,
             logits_indices=np.asarray(logits_indices, dtype=np.int64),
             sampling_req_ids=sampling_ids,
+            drafts=drafts,
             num_tokens=total,
             max_query_len=int(max(out.num_scheduled_tokens.values(), default=0)),
             max_seq_len=int(seq_lens.max(initial=0)),

@@ -59,8 +59,9 @@ _DEMO_BY_LOWER = {name.lower(): entry for name, entry in DEMO_MODELS.items()}
 # Random-weight demo models, built on first use from a fixed seed (random_models.py):
 # name -> (preset, tokenizer source). They speak nonsense; they exist to serve a
 # model class (hybrid) without downloading weights.
-RANDOM_MODELS: dict[str, tuple[str, str]] = {
+RANDOM_MODELS: dict[str, tuple[str, str | None]] = {
     "hybrid-tiny": ("hybrid-tiny", "SmolLM2-135M-Instruct"),
+    "hybrid": ("hybrid-bench", None),  # ~100M parameters, `spur bench engine --model hybrid`
 }
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -211,12 +211,17 @@ class ModelRunner:
             idx = torch.from_numpy(inputs.logits_indices).to(dev)
             logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab] fp32
             t3 = time.perf_counter()
-            meta_s = state.build(inputs.sampling_req_ids)
-            result = self.sampler(logits, meta_s)
-            tokens = result.sampled_token_ids.tolist()
-            state.append_sampled(inputs.sampling_req_ids, tokens)
-            for rid, tok, lp in zip(inputs.sampling_req_ids, tokens, result.logprobs, strict=True):
-                sampled[rid] = [tok]
+            if inputs.drafts:
+                per_req, row_lps = self._verify(logits, inputs.sampling_req_ids, inputs.drafts)
+            else:
+                meta_s = state.build(inputs.sampling_req_ids)
+                result = self.sampler(logits, meta_s)
+                tokens = result.sampled_token_ids.tolist()
+                state.append_sampled(inputs.sampling_req_ids, tokens)
+                per_req = [[t] for t in tokens]
+                row_lps = result.logprobs
+            for rid, toks, lp in zip(inputs.sampling_req_ids, per_req, row_lps, strict=True):
+                sampled[rid] = toks
                 if lp is not None:
                     if logprobs_out is None:
                         logprobs_out = {}
@@ -232,6 +237,22 @@ class ModelRunner:
         times.steps += 1
         times.shapes[(n, len(inputs.sampling_req_ids))] += 1
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out)
+
+    def _verify(
+        self, logits: torch.Tensor, req_ids: list[str], drafts: dict[str, list[int]]
+    ) -> tuple[list[list[int]], list[Any]]:
+        """Sample a step that verifies drafts. `logits` [rows, vocab]: each request
+        of `req_ids` owns 1 + len(its drafts) consecutive rows. Returns per request
+        its new tokens and the logprobs of its single row (drafting requests none)."""
+        per_req_drafts = [drafts.get(rid, []) for rid in req_ids]
+        rows = [
+            rid for rid, d in zip(req_ids, per_req_drafts, strict=True) for _ in range(1 + len(d))
+        ]
+        state = self.sampler_state
+        tokens, lps = self.sampler.verify(logits, state.build(rows), per_req_drafts)
+        for rid, toks in zip(req_ids, tokens, strict=True):
+            state.append_tokens(rid, toks)
+        return tokens, lps
 
     def _hybrid_metadata(
         self, out: SchedulerOutput, inputs: Any, base: AttentionMetadata

@@ -120,6 +120,106 @@ class Sampler:
         assert meta.greedy is not None
         return torch.where(meta.greedy, greedy_ids, random_ids)
 
+    def verify(
+        self, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
+        """Sample, verifying draft tokens (speculative decoding). Mutates `logits`.
+
+        Request i owns 1 + len(drafts[i]) consecutive rows of `logits`
+        `[num_rows, vocab]` (rows of `meta`, built with its id repeated): row j is
+        the model's distribution for the token after draft j (row 0: after its
+        last known token). Returns per request its new tokens (the accepted drafts
+        then one token of the model's own) and per request the logprobs of its
+        single row (requests that draft never ask for logprobs).
+
+        Draft i (a point mass: n-gram drafts have no distribution) is accepted with
+        probability p(draft) under the processed distribution p of its row (greedy
+        rows: iff it is the argmax); on rejection the token is drawn from p with the
+        draft removed, renormalised (greedy: the argmax). This is the rejection rule
+        of speculative sampling with a one-hot draft distribution: each emitted
+        token is distributed exactly as p. After k accepted drafts the last row
+        gives a bonus token, drawn from p as usual.
+        """
+        num_rows = sum(1 + len(d) for d in drafts)
+        if logits.dim() != 2 or logits.shape[0] != num_rows or meta.num_reqs != num_rows:
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} and {meta.num_reqs} metadata rows "
+                f"for {len(drafts)} requests owning {num_rows} rows: expected [{num_rows}, vocab]"
+            )
+        starts: list[int] = []
+        draft_rows: list[int] = []
+        draft_ids: list[int] = []
+        row = 0
+        for d in drafts:
+            starts.append(row)
+            draft_rows.extend(range(row, row + len(d)))
+            draft_ids.extend(d)
+            row += 1 + len(d)
+        dev = logits.device
+        rows_t = torch.tensor(draft_rows, dtype=torch.int64, device=dev)  # [D]
+        ids_t = torch.tensor(draft_ids, dtype=torch.int64, device=dev)  # [D]
+
+        raw_logprobs = None
+        if meta.logprobs is not None:
+            lp_rows = meta.logprobs.rows
+            raw_logprobs = torch.log_softmax(logits if lp_rows is None else logits[lp_rows], -1)
+        apply_min_tokens(logits, meta.min_tokens)
+        apply_penalties(logits, meta.penalties)
+        if meta.all_greedy:
+            chosen = logits.argmax(dim=-1)  # [num_rows]
+            accept = chosen[rows_t] == ids_t  # [D]
+        else:
+            greedy_ids = logits.argmax(dim=-1) if meta.greedy is not None else None
+            if meta.temperature is not None:
+                logits.div_(meta.temperature.unsqueeze(1))
+            apply_top_k(logits, meta.top_k)
+            apply_top_p(logits, meta.top_p)
+            apply_min_p(logits, meta.min_p)
+            probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+            p_draft = probs[rows_t, ids_t]  # [D]
+            u = _uniform_per_row(meta, num_rows, dev)[rows_t]  # [D]
+            accept = u < p_draft
+            # Residual max(p - q, 0) with q one-hot on the draft: p without it.
+            probs[rows_t, ids_t] = 0.0
+            chosen = race(probs, meta)
+            if greedy_ids is not None:
+                assert meta.greedy is not None
+                chosen = torch.where(meta.greedy, greedy_ids, chosen)
+                accept = torch.where(meta.greedy[rows_t], greedy_ids[rows_t] == ids_t, accept)
+
+        row_logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            assert meta.logprobs is not None
+            _fill_logprobs(row_logprobs, raw_logprobs, chosen, meta)
+        chosen_list = chosen.tolist()
+        accept_list = accept.tolist()
+        tokens: list[list[int]] = []
+        k = 0
+        for start, d in zip(starts, drafts, strict=True):
+            out: list[int] = []
+            for j, draft in enumerate(d):
+                if not accept_list[k + j]:
+                    out.append(chosen_list[start + j])
+                    break
+                out.append(draft)
+            else:
+                out.append(chosen_list[start + len(d)])
+            k += len(d)
+            tokens.append(out)
+        return tokens, [row_logprobs[start] for start in starts]
+
+
+def _uniform_per_row(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """[num_rows] U[0, 1): seeded rows from their own generator, others shared."""
+    u = torch.empty(num_rows, device=device)
+    if meta.any_unseeded_random:
+        u.uniform_(generator=meta.shared_generator)
+    else:
+        u.fill_(0.5)
+    for row, generator in meta.seeded:
+        u[row] = torch.rand((), generator=generator, device=device)
+    return u
+
 
 # ---- processing steps: each mutates logits [num_reqs, vocab] in place -------------------
 
@@ -232,13 +332,18 @@ def exponential_race(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     step. q is made as -log(u), u ~ U[0, 1): 4 times faster than `exponential_` on CPU,
     and q lies in (0, inf], so probs / q is never NaN (a zero-probability token scores 0).
     """
-    probs = logits.softmax(dim=-1)  # [num_reqs, vocab]
+    return race(logits.softmax(dim=-1), meta)
+
+
+def race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """`exponential_race` on probabilities (rows need not sum to 1: a draw from each
+    row renormalised). Overwrites `probs`. Returns [num_reqs] int64."""
     u = torch.empty_like(probs)  # [num_reqs, vocab]
     if meta.any_unseeded_random:
         u.uniform_(generator=meta.shared_generator)
     else:
         u.fill_(0.5)  # only greedy rows left to fill; their draw is discarded
-    vocab = logits.shape[1]
+    vocab = probs.shape[1]
     for row, generator in meta.seeded:
         u[row] = torch.rand(vocab, generator=generator, device=probs.device)
     q = u.log_().neg_()

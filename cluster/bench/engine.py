@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spur.cluster.bench.cpu import cpu_info
+
 # Written for this benchmark; any English prose of a few hundred tokens would do.
 TEXT = (
     "The harbour town woke slowly on the first cold morning of autumn. Fishing boats that "
@@ -196,6 +198,7 @@ def run_spur_arm(
                 outs = llm.generate(prompts, params)
                 elapsed = time.perf_counter() - t1
             stats = getattr(llm, "last_run_stats", None)
+            block_bytes = llm.info.kv_bytes_per_block
             floor: dict[str, Any] = {}
             if matmul_floor:
                 after = llm.executor.collective_rpc("step_times")[0]["shapes"]
@@ -220,6 +223,7 @@ def run_spur_arm(
         "kv_slots_allocated_peak": slots,
         "kv_tokens_held_peak": held,
         "kv_utilization": round(held / slots, 4) if held is not None and slots else None,
+        **_pool_bytes(stats, block_bytes),
         "steps": stats.get("steps"),
         "num_preemptions": stats.get("num_preemptions"),
         "last_run_stats": _jsonable(stats),
@@ -227,6 +231,76 @@ def run_spur_arm(
         "peak_rss_delta_with_load_bytes": whole.delta_bytes,
         "engine_kwargs": kwargs,
         **floor,
+    }
+
+
+def _pool_bytes(stats: dict[str, Any], block_bytes: int) -> dict[str, Any]:
+    """Bytes of the blocks in use at the peak (attention pages and, for hybrid
+    models, state pages) and per request running then (rank 0's share)."""
+    blocks, running = stats.get("kv_blocks_used_peak"), stats.get("running_at_kv_peak")
+    if not blocks:
+        return {}
+    total = blocks * block_bytes
+    return {
+        "kv_bytes_peak": total,
+        "kv_bytes_per_request_at_peak": total // running if running else None,
+    }
+
+
+def prefix_hit_speedup(
+    model: str, *, prefix_tokens: int, dtype: str, seed: int, rounds: int = 3
+) -> dict[str, Any]:
+    """Prefill time of a request whose `prefix_tokens`-token prefix is cached against
+    a cold one of the same length, in one engine, interleaved. Per round: a first
+    request of a fresh prefix alone (a conversation's first turn: its state at the
+    prefix's end is kept), then, timed, the prefix plus a 16-token tail (the hit)
+    and another fresh prefix plus a tail (cold). Medians of `rounds`; one output
+    token each. (States are cached where a prefill chunk ends on a block boundary,
+    so a hit starts from the longest such point inside the shared prefix.)"""
+    import statistics
+
+    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.llm import LLM
+    from spur.actors.worker.loader import load_config, resolve_model_dir
+
+    vocab = int(load_config(resolve_model_dir(model)).get_text_config().vocab_size)
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        max_num_batched_tokens=2048,
+        block_size=16,
+        max_model_len=prefix_tokens + 64,
+        seed=seed,
+    )
+    cold, hit, cached = [], [], []
+    try:
+        llm.generate([ids(32)], one)  # warm-up
+        for _ in range(rounds):
+            prefix = ids(prefix_tokens)
+            llm.generate([prefix], one)
+            t0 = time.perf_counter()
+            (out,) = llm.generate([prefix + ids(16)], one)
+            t1 = time.perf_counter()
+            llm.generate([ids(prefix_tokens + 16)], one)
+            t2 = time.perf_counter()
+            hit.append(t1 - t0)
+            cold.append(t2 - t1)
+            cached.append(out.num_cached_tokens)
+    finally:
+        llm.shutdown()
+    c, h = statistics.median(cold), statistics.median(hit)
+    return {
+        "prefix_tokens": prefix_tokens,
+        "cold_s": round(c, 4),
+        "hit_s": round(h, 4),
+        "speedup": round(c / h, 2) if h > 0 else None,
+        "cached_tokens": cached,
     }
 
 
@@ -286,6 +360,7 @@ def run(
     hf_batch_size: int | None = None,
     llm_kwargs: dict[str, Any] | None = None,
     matmul_floor: bool = False,
+    prefix_hit_tokens: int = 0,
 ) -> dict[str, Any]:
     """Run the engine benchmark; returns a JSON-ready dict (see the module docstring).
 
@@ -300,6 +375,8 @@ def run(
         matmul_floor: also time the spur run's matmuls alone (see `run_spur_arm`)
             and report `matmul_ceiling_ratio`: the ratio spur would reach if only
             its matmuls cost time. Adds about a third of the spur arm's time.
+        prefix_hit_tokens: when > 0, also time a prefill whose prefix of that many
+            tokens is cached against a cold one, per dtype (`prefix_hit_speedup`).
 
     Raises:
         ValueError: an unknown arm or an empty dtype list.
@@ -361,6 +438,10 @@ def run(
         for arm in ("spur", "hf"):
             if arm in entry:
                 entry[arm].pop("token_ids")
+        if prefix_hit_tokens and "spur" in arms:
+            entry["prefix_hit"] = prefix_hit_speedup(
+                model, prefix_tokens=prefix_hit_tokens, dtype=dtype, seed=seed
+            )
         results[dtype] = entry
 
     return {
@@ -380,6 +461,7 @@ def run(
         "hf_batch_size": batch_size,
         "torch_num_threads": hf.torch_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_info(),
         "results": results,
         "process_max_rss_bytes": hf.max_rss_bytes(),
     }

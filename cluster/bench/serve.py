@@ -16,7 +16,8 @@ A shared machine's speed drifts by more than the Serve path costs (the offline
 arm alone moved between 72 and 96 tokens/s over a day here), so with `rounds`
 > 1 (default 3) each level runs the arms in alternating order (serve, offline, offline,
 serve, ...): each round's ratio compares two arms that ran back to back, and the
-level reports the median round.
+level reports the median round. With `progress`, a bar per arm and level goes to
+stderr; `plot` (cluster/bench/plot.py) draws the result.
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ async def _one(client: Any, url: str, model: str, prompt: str, max_tokens: int) 
 
 
 async def _http_level(
-    url: str, model: str, work: list[tuple[str, int]], concurrency: int
+    url: str,
+    model: str,
+    work: list[tuple[str, int]],
+    concurrency: int,
+    advance: Any = None,
 ) -> dict[str, Any]:
     import httpx
 
@@ -119,7 +124,10 @@ async def _http_level(
 
         async def run(p: str, m: int) -> dict[str, Any]:
             async with sem:
-                return await _one(client, url, model, p, m)
+                result = await _one(client, url, model, p, m)
+            if advance is not None:
+                advance()  # one request done: the progress bar (stderr)
+            return result
 
         start = time.perf_counter()
         results = await asyncio.gather(*(run(p, m) for p, m in work))
@@ -211,6 +219,7 @@ def _level(
     concurrency: int,
     rounds: int,
     baseline_url: str | None = None,
+    bar: Any = None,
 ) -> dict[str, Any]:
     """`rounds` paired runs of both arms, the order alternating between rounds.
     With `baseline_url`, the second arm is that server over HTTP (same lane and
@@ -219,14 +228,20 @@ def _level(
     for r in range(rounds):
         arms: dict[str, dict[str, Any]] = {}
         for arm in ("serve", "offline") if r % 2 == 0 else ("offline", "serve"):
+            label = "baseline" if arm == "offline" and baseline_url else arm
+            advance = bar.arm(f"c={concurrency} round {r + 1} {label}") if bar else None
             if arm == "serve":
                 _reset_prefix_cache(url, lane)
-                arms[arm] = asyncio.run(_http_level(url, served, work, concurrency))
+                arms[arm] = asyncio.run(_http_level(url, served, work, concurrency, advance))
             elif baseline_url is not None:
                 _reset_prefix_cache(baseline_url, lane)
-                arms[arm] = asyncio.run(_http_level(baseline_url, served, work, concurrency))
+                arms[arm] = asyncio.run(
+                    _http_level(baseline_url, served, work, concurrency, advance)
+                )
             else:
                 arms[arm] = _offline_level(args, work, concurrency)
+                for _ in work if advance else ():
+                    advance()  # the offline engine reports at the end of its batch
         pairs.append({**arms, "serve_over_offline": _ratio(arms["serve"], arms["offline"])})
     ratios = [p["serve_over_offline"] for p in pairs]
     known = [x for x in ratios if x is not None]
@@ -251,6 +266,7 @@ def run(
     baseline_url: str | None = None,
     api_key: str | None = None,
     admin_key: str | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """With `baseline_url` the "offline" arm is that server (its numbers are under
     "offline" and the ratios are url over baseline_url). `api_key` / `admin_key`:
@@ -268,11 +284,15 @@ def run(
     if baseline_url is not None:
         baseline_url = baseline_url.rstrip("/")
         asyncio.run(_http_level(baseline_url, served, [("warm up the engine", 4)] * 2, 2))
+    from spur.cluster.bench.progress import progress_bars
+
     levels = []
-    for c in concurrencies:
-        n = requests_per_level or max(8, 2 * c)
-        work = make_workload(n, seed + c)
-        levels.append(_level(url, served, lane, args, work, c, rounds, baseline_url))
+    with progress_bars(progress) as bar:
+        for c in concurrencies:
+            n = requests_per_level or max(8, 2 * c)
+            work = make_workload(n, seed + c)
+            bar.per_arm = n
+            levels.append(_level(url, served, lane, args, work, c, rounds, baseline_url, bar))
     result: dict[str, Any] = {
         "bench": "serve",
         "url": url,

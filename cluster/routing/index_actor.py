@@ -43,6 +43,7 @@ class KVIndexActor:
         self.store = MetricsStore()
         self.draining: str | None = None
         self.drain_reports: list[dict[str, Any]] = []
+        self.draining_ids: set[str] = set()
         self.spare_loads: dict[str, tuple[float, dict[str, int]]] = {}
 
     # -- engines ----------------------------------------------------------------------------
@@ -88,6 +89,7 @@ class KVIndexActor:
             "resync": need,
             "commands": self.commands.pop(replica_id, []),
             "spare_demand": self.spare_demand(state.lane) if state is not None else 0,
+            "draining": self.draining,
         }
 
     def leave(self, replica_id: str) -> bool:
@@ -102,8 +104,10 @@ class KVIndexActor:
     # -- drain and spare demand (ingress side) ----------------------------------------------
     def set_draining(self, reason: str | None) -> None:
         """The deployment is shutting down (`spur serve` got SIGTERM / Ctrl-C): every
-        ingress answers /health with 503 and refuses new requests. None: clear."""
+        ingress answers /health with 503 and refuses new requests, and every engine
+        replica drains (it learns this from its next publish). None: clear."""
         self.draining = reason
+        self.draining_ids = set(self.index.replicas) if reason is not None else set()
 
     def record_drain(self, report: dict[str, Any]) -> None:
         """A replica finished its drain (EngineReplica.drain's report)."""
@@ -112,6 +116,16 @@ class KVIndexActor:
     def drained(self) -> list[dict[str, Any]]:
         """The drain reports so far (`spur serve` logs them before it exits)."""
         return list(self.drain_reports)
+
+    def drain_status(self) -> dict[str, Any]:
+        """{"remaining": replicas known when the drain began that have not reported
+        their drain yet (a replica leaves the index when its drain starts, and reports
+        when it ends), "reports": n}."""
+        done = {r.get("replica_id") for r in self.drain_reports}
+        return {
+            "remaining": len(self.draining_ids - done),
+            "reports": len(self.drain_reports),
+        }
 
     def report_spare_load(self, ingress_id: str, loads: dict[str, int]) -> str | None:
         """An ingress's requests in flight on the spare, per lane they belong to (the

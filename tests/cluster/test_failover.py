@@ -260,3 +260,28 @@ def test_n2_break_after_one_completion_finished_still_ends_with_an_error():
     opener = Opener(FakeGen([delta(10, finish="stop"), second], ActorDiedError()))
     items, _, _ = run(opener, payload)
     assert items[-1]["type"] == "error" and items[-1]["status"] == 503
+
+
+def test_drain_error_item_continues_elsewhere_without_a_failure():
+    drained = {
+        "type": "error",
+        "status": 503,
+        "code": "draining",
+        "message": "drain_timeout_s passed",
+        "param": None,
+    }
+    opener = Opener(FakeGen([delta(1), drained]), FakeGen([delta(2, "r2"), final("r2")]))
+    items, events, _ = run(opener)
+    assert tokens(items) == [1, 2]
+    names = [name for name, _ in events]
+    assert "drained" in names and "replica_failed" not in names and "failover" not in names
+
+
+def test_shutting_down_is_not_retried_and_ends_the_stream():
+    from spur.cluster.readiness import shutting_down
+
+    assert not is_retriable(shutting_down("stop signal"))
+    drained = {"type": "error", "status": 503, "code": "draining", "message": "m", "param": None}
+    opener = Opener(FakeGen([delta(1), drained]), shutting_down("stop signal"))
+    items, _, _ = run(opener)
+    assert items[-1]["type"] == "error" and "shutting down" in items[-1]["message"]

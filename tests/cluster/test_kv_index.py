@@ -306,3 +306,13 @@ def test_speculative_hashes_expire_unless_the_engine_confirms_them(t):
     idx.record("r1", [A, B, C])
     idx.publish("r1", 2, cleared=True)  # a reset forgets speculation too
     assert idx.match("r1", [A, B, C]) == 0
+
+
+def test_planned_leave_drops_hashes_and_is_no_restart(t):
+    idx = synced(t)
+    assert idx.leave("r1") is True
+    assert idx.match("r1", [A]) == 0 and "r1" not in idx.replicas
+    assert idx.leave("r1") is False
+    idx.register("r2", "L", "n1")  # a later replica on the same node: not a restart
+    [rep] = idx.lane_report("L")["replicas"]
+    assert rep["restarts"] == 0

@@ -11,6 +11,8 @@ when the directory's last test is done, not at the end of the whole run).
                        hybrid    configs/hybrid-tiny.yaml's random Qwen3.5
     openai_client    the official `openai` client on http://127.0.0.1:PORT/v1
     http             an httpx client on http://127.0.0.1:PORT (raw checks)
+    keyed_server     a second `spur serve` (lane tiny only) with API keys in
+                     SPUR_API_KEYS: tenants, per-key limits, an admin key
 
 Teardown sends SIGINT (the server's graceful shutdown: Serve drained, Ray shut
 down), waits, SIGKILLs whatever of its session is left, and fails if a raylet
@@ -455,3 +457,82 @@ def launch_server(tmp_path: Path) -> Iterator[Any]:
     assert not problems, (
         "\n".join(problems) + "\n" + (launched[-1].log()[-4000:] if launched else "")
     )
+
+
+# -- a second server, with API keys ----------------------------------------------------------
+# alice, alice2: tenant acme (two keys of one tenant); bob: tenant globex; solo:
+# max_concurrent_requests 1; meter: tokens_per_minute 600; ops: the admin key.
+KEYS = {
+    "alice": "sk-alice-8c1f0e2a",
+    "alice2": "sk-alice2-77d3b0aa",
+    "bob": "sk-bob-4b9d61e0",
+    "solo": "sk-solo-0a6e2f19",
+    "meter": "sk-meter-5e80c3d4",
+    "ops": "sk-ops-d2c48a11",
+}
+KEYS_TEXT = yaml.safe_dump(
+    {
+        "keys": [
+            {"key": KEYS["alice"], "name": "alice", "tenant": "acme"},
+            {"key": KEYS["alice2"], "name": "alice2", "tenant": "acme"},
+            {"key": KEYS["bob"], "name": "bob", "tenant": "globex"},
+            {"key": KEYS["solo"], "name": "solo", "max_concurrent_requests": 1},
+            {"key": KEYS["meter"], "name": "meter", "tokens_per_minute": 600},
+            {"key": KEYS["ops"], "name": "ops", "admin": True},
+        ]
+    }
+)
+
+
+class KeyedServer:
+    def __init__(self, url: str, log_path: Path, sid: int) -> None:
+        self.url = url
+        self.log_path = log_path
+        self.sid = sid
+        """Session id of the server's processes (its Ray workers included)."""
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of the server's live processes."""
+        return session_processes(self.sid)
+
+    def client(self, who: str | None) -> Any:
+        """An httpx client sending `who`'s key (None: no key)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {KEYS[who]}"} if who else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120.0)
+
+
+@pytest.fixture(scope="package")
+def keyed_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KeyedServer]:
+    work = tmp_path_factory.mktemp("e2e-keyed")
+    data = server_config(tiny_model_dir, free_port())
+    data["lanes"] = [lane for lane in data["lanes"] if lane["name"] == "tiny"]
+    data["server"]["num_cpus"] = 4
+    config_path = work / "spur-auth.yaml"
+    config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    log_path = work / "serve.log"
+    ray_tmpdir = Path(tempfile.mkdtemp(prefix="spur-auth-", dir="/tmp"))
+    env = {**server_env(ray_tmpdir), "SPUR_API_KEYS": KEYS_TEXT}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spur.cluster.cli", "serve", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=work,
+            start_new_session=True,
+        )
+    try:
+        url = wait_ready(proc, log_path, START_TIMEOUT_S)
+        yield KeyedServer(url, log_path, proc.pid)
+    finally:
+        problems = stop_server(proc, ray_tmpdir)
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+    log_text = log_path.read_text(errors="replace")
+    leaked = [name for name, key in KEYS.items() if key in log_text]
+    assert not leaked, f"keys of {leaked} appear in the server's log"
+    assert not problems, "\n".join(problems)

@@ -28,7 +28,7 @@ from .conftest import tiny_lane
 pytestmark = pytest.mark.slow
 
 STREAMS = 16
-PATIENT_TOKENS = 200
+PATIENT_TOKENS = 800
 HASTY_TOKENS = 1900
 
 
@@ -72,12 +72,13 @@ def _stream(url: str, model: str, i: int, max_tokens: int, out: dict[str, Any]) 
 
 
 def test_sigterm_drains_streams(launch_server: Any, tiny_model_dir: Path) -> None:
-    srv = launch_server(
-        [
-            tiny_lane(tiny_model_dir, "patient", drain_timeout_s=120),
-            tiny_lane(tiny_model_dir, "hasty", drain_timeout_s=1),
-        ]
-    )
+    lanes = [
+        tiny_lane(tiny_model_dir, "patient", drain_timeout_s=120),
+        tiny_lane(tiny_model_dir, "hasty", drain_timeout_s=1),
+    ]
+    for lane in lanes:  # room for every stream's whole length
+        lane["engine"]["cache"]["num_kv_blocks"] = 2048
+    srv = launch_server(lanes)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert srv.proc.poll() is None, srv.log()[-4000:]
@@ -92,7 +93,7 @@ def test_sigterm_drains_streams(launch_server: Any, tiny_model_dir: Path) -> Non
 
     results: dict[str, list[dict[str, Any]]] = {"patient": [], "hasty": []}
     threads = []
-    for lane, n_tokens in (("patient", PATIENT_TOKENS), ("hasty", HASTY_TOKENS)):
+    for lane, n_tokens in (("hasty", HASTY_TOKENS), ("patient", PATIENT_TOKENS)):
         for i in range(STREAMS if lane == "patient" else 4):
             out: dict[str, Any] = {"started": threading.Event()}
             results[lane].append(out)
@@ -101,21 +102,24 @@ def test_sigterm_drains_streams(launch_server: Any, tiny_model_dir: Path) -> Non
             threads.append(t)
     for out in results["patient"] + results["hasty"]:
         assert out["started"].wait(120), "a stream never started"
-    assert all(o["tokens"] < PATIENT_TOKENS for o in results["patient"]), "streams too short"
+    running = sum(o["tokens"] < PATIENT_TOKENS for o in results["patient"])
+    assert running >= STREAMS // 2, f"only {running} streams still ran at SIGTERM: make them longer"
 
     srv.proc.send_signal(signal.SIGTERM)
     # Draining: new requests are refused with a 503 that says so, /health is 503.
-    health = None
-    for _ in range(50):
+    health, seen = None, []
+    deadline = time.monotonic() + 30
+    while health is None and time.monotonic() < deadline:
         try:
-            resp = httpx.get(f"{srv.url}/health", timeout=5)
-        except httpx.HTTPError:
-            break
+            resp = httpx.get(f"{srv.url}/health", timeout=10)
+        except httpx.HTTPError as exc:
+            seen.append(repr(exc))
+            continue
+        seen.append(resp.status_code)
         if resp.status_code == 503:
             health = resp.json()
-            break
         time.sleep(0.1)
-    assert health is not None and health["status"] == "draining", health
+    assert health is not None and health["status"] == "draining", seen
     late = httpx.post(
         f"{srv.url}/v1/completions",
         json={"model": "patient", "prompt": "late", "max_tokens": 2},

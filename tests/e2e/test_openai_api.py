@@ -236,3 +236,95 @@ def test_repeated_prompt_is_served_from_the_prefix_cache(openai_client: Any, htt
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 16 <= cached < num_prompt and cached % 16 == 0
     assert http.get("/admin/engines").json()[MODEL]["prefix_hits_total"] > hits_before
+
+
+# -- several prompts in one request ----------------------------------------------------------
+def test_multi_prompt_completion(openai_client: Any, spur_server: Any) -> None:
+    """Prompts of one request are opened concurrently (each its own engine request,
+    none waiting for another's first token) and each answer equals the prompt's
+    own. Every call has a deadline: Serve 2.60 used to leave the second of two
+    concurrent handle calls of one HTTP request unrouted forever (they shared an
+    internal request id), which hung such a request."""
+    import asyncio
+
+    import httpx
+
+    prompts = ["One two three", "Alpha beta", "The quick brown fox", "Hello there"]
+    both = complete(openai_client, prompts, max_tokens=8, timeout=60)
+    alone = [complete(openai_client, p, max_tokens=8, timeout=60).choices[0].text for p in prompts]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == alone
+    assert both.usage is not None and both.usage.completion_tokens == 4 * 8
+    streamed = complete(openai_client, prompts, max_tokens=8, stream=True, timeout=60)
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == alone
+
+    async def busy(num_prompts: int) -> httpx.Response:
+        body = {
+            "model": "busy",
+            "prompt": [f"Count with me {i}:" for i in range(num_prompts)],
+            "max_tokens": 50,
+            "ignore_eos": True,
+        }
+        async with httpx.AsyncClient(base_url=spur_server.url, timeout=60.0) as client:
+            return await client.post("/v1/completions", json=body)
+
+    # lane "busy" runs one request and queues one: three prompts cannot all be
+    # admitted, and the request is refused as a whole (429), promptly
+    r = asyncio.run(asyncio.wait_for(busy(3), timeout=60.0))
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+    r = asyncio.run(asyncio.wait_for(busy(1), timeout=60.0))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50, r.text
+
+
+def test_request_bounds(http: Any) -> None:
+    """server.requests: more prompts than max_prompts is a 400; a body beyond
+    max_body_bytes a 413; both with OpenAI's error body."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["x"] * 65})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:300]
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+# -- chat template options ------------------------------------------------------------------
+def test_chat_template_options_are_applied(openai_client: Any, http: Any) -> None:
+    """add_generation_prompt and continue_final_message change what the model sees,
+    in /tokenize and in /v1/chat/completions alike (one templating function)."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello wor"}]
+    first = msgs[:1]
+    with_prompt = tokenize(http, messages=first)["tokens"]
+    without = tokenize(http, messages=first, add_generation_prompt=False)["tokens"]
+    assert with_prompt[: len(without)] == without and len(with_prompt) > len(without)
+    cont = tokenize(http, messages=msgs, add_generation_prompt=False, continue_final_message=True)
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": cont["tokens"]}).json()
+    assert text["prompt"].endswith("Hello wor")
+    # chat completions: usage counts the templated prompt, so each option shows there
+    counts = {}
+    for name, extra in {
+        "gen": {},
+        "no-gen": {"add_generation_prompt": False},
+    }.items():
+        out = openai_client.chat.completions.create(
+            model=MODEL, messages=first, max_tokens=2, extra_body={**IGNORE_EOS, **extra}
+        )
+        counts[name] = out.usage.prompt_tokens
+    assert counts == {"gen": len(with_prompt), "no-gen": len(without)}
+    out = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=2,
+        extra_body={**IGNORE_EOS, "add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert out.usage.prompt_tokens == cont["count"]
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": first, "continue_final_message": True,
+              "add_generation_prompt": False},
+    )  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

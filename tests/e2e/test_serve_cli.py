@@ -98,10 +98,14 @@ def test_bench_serve_pairs_both_arms_in_alternating_rounds(
     res = spur(
         "bench", "serve", "--url", spur_server.url, "--model", "tiny",
         "--concurrency", "2", "--requests", "3", "--rounds", "2", "--json",
+        "--plot", str(tmp_path / "serve.png"),
         cwd=tmp_path,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    out = json.loads(res.stdout)
+    out = json.loads(res.stdout)  # the progress bars went to stderr
+    assert out["plot"] == str(tmp_path / "serve.png")
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+    assert "c=2 round 2" in res.stderr
     assert out["rounds"] == 2 and len(out["levels"]) == 1
     level = out["levels"][0]
     assert len(level["rounds"]) == 2

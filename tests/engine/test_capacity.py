@@ -190,9 +190,10 @@ def test_cli_capacity_simulation_json(tmp_path, capsys):
         [
             "capacity", "--model", str(cfg), "--block-size", "800", "--num-blocks", "2000",
             "--max-model-len", "131072", "--simulate-prompt", "84495", "--chunk", "2048",
-            "--decode", "100", "--json",
+            "--decode", "100", "--state-dtype", "bfloat16", "--json",
         ]
     )  # fmt: skip
+    # States sized in bfloat16 here (the default follows cache.state_dtype, float32).
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_blocks"] == 2000 and result["block_size"] == 800

@@ -639,3 +639,25 @@ def test_size_strings_follow_the_loader() -> None:
         except ValueError:
             accepted = False
         assert bool(re.match(chart_files.SIZE_STRING_PATTERN, text)) == accepted, text
+
+
+@pytest.mark.parametrize(
+    "autoscaling",
+    [
+        {"min_replicas": 1, "max_replicas": 3},
+        {"min_replicas": 2, "max_replicas": 4, "upscale_delay_s": 3, "downscale_delay_s": 45.5},
+        {"min_replicas": 1, "max_replicas": 2, "look_back_period_s": 4},
+    ],
+)
+def test_serve_autoscaling_config_is_the_apps(render: Any, autoscaling: dict[str, Any]) -> None:
+    """serveConfigV2 replaces the application's autoscaling_config: it must be the one
+    spur.cluster.app builds (spur's policy, the lane's delays, schema defaults)."""
+    from spur.cluster.app import serve_autoscaling_config
+
+    tree = {"lanes": [{"name": "chat", "autoscaling": autoscaling}]}
+    docs = render({"spur": tree})
+    rayservice = the(docs, "RayService")
+    deployments = serve_config(rayservice)["applications"][0]["deployments"]
+    lane = parse_config(tree).lanes[0]
+    assert lane.autoscaling is not None
+    assert deployments[1]["autoscaling_config"] == serve_autoscaling_config(lane.autoscaling)

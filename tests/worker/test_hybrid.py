@@ -243,3 +243,66 @@ def test_live_capacity_equals_geometry(live_capacity):
         assert row["live_peak"] == geometry == simulated, row
         assert geometry[1:] == [2, 2]  # two states per state group: read and written
         assert row["leaks"] == 0
+
+
+def test_multimodal_qwen3_5_checkpoint_served_text_only(tmp_path, hybrid_dir):
+    """A Qwen3_5ForConditionalGeneration folder (language model under
+    model.language_model, a vision tower) loads text-only and says what
+    transformers' own multimodal model says for text."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from spur.actors.worker.random_models import PRESETS, hf_config
+
+    text = hf_config("qwen3_5-test").to_dict()
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=PRESETS["qwen3_5-test"]["hidden_size"],
+    )
+    config = Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(5)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    # The same language weights as the dense test model: its margins are known good.
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(hybrid_dir("qwen3_5-test"))
+    missing = hf.model.language_model.load_state_dict(dense.model.state_dict())
+    assert not missing.missing_keys
+    hf.lm_head.load_state_dict(dense.lm_head.state_dict())
+    hf.save_pretrained(tmp_path / "mm")
+    prompts = make_prompts(3, seed=11)
+    res = _generate(tmp_path / "mm", prompts, num_kv_blocks=128, block_size=8)
+    for prompt, out in zip(prompts, res["tokens"], strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + out])).logits[0]
+        assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefill_stops_at_its_last_block_boundary(caching):
+    """With state groups (and prefix caching), a prompt of 100 tokens in blocks of
+    16 prefills 96 tokens, then the 4-token tail: the state after 96 tokens is
+    kept and cacheable. Without caching there is nothing to keep: one chunk."""
+    from spur.actors.engine.executor import FakeExecutor
+    from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup, StateSpec
+    from spur.actors.engine.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+
+    groups = (
+        KVCacheGroup(FullAttentionSpec(1, 1, 2), 1),
+        KVCacheGroup(StateSpec(64), 1),
+    )
+    kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups, enable_prefix_caching=caching)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_model_len=256), kv)
+    executor = FakeExecutor(kv)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    sched.add_request(sched.make_request("a", list(range(100)), params))
+    chunks = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        chunks.append(out.num_scheduled_tokens["a"])
+        sched.update_from_output(out, executor.execute_model(out))
+    assert chunks == ([96, 4, 1] if caching else [100, 1])
+    sched.check_integrity()

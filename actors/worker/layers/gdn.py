@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spur import kernels
 from spur.actors.worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -52,8 +53,7 @@ from spur.actors.worker.layers.linear import (
 )
 from spur.actors.worker.layers.norm import GatedRMSNorm
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
-from spur.kernels import gdn_reference as gdn_ref
-from spur.kernels.gdn_reference import GDNMetadata
+from spur.kernels import GDNMetadata
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,11 @@ class GatedDeltaNet(nn.Module):
     request states in `state` (mutated) as `meta` says.
     """
 
-    def __init__(self, config: Any, *, layout: str, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self, config: Any, *, layout: str, tp: TPGroup = SINGLE, backend: str | None = None
+    ) -> None:
         super().__init__()
+        self.backend = backend  # "torch" | "triton" (resolved), None: by device
         if layout not in ("qwen3_5", "qwen3_next"):
             raise ValueError(f"unknown Gated DeltaNet layout {layout!r}")
         self.layout = layout
@@ -208,14 +211,14 @@ class GatedDeltaNet(nn.Module):
             core = hidden_states.new_zeros(n, s.num_v_heads, s.head_v_dim)
         else:
             conv_state, ssm_state = state
-            mixed = gdn_ref.causal_conv1d_varlen_ref(
-                mixed, self.conv1d.weight, None, conv_state, meta, "silu"
+            mixed = kernels.causal_conv1d_varlen(
+                mixed, self.conv1d.weight, None, conv_state, meta, "silu", backend=self.backend
             )  # [n, conv_dim]
             q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
             beta = b.sigmoid()  # [n, Hv]
             # In float32: exp(A_log) must not overflow for fp16 models.
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv]
-            core = gdn_ref.gated_delta_rule_varlen_ref(
+            core = kernels.gated_delta_rule_varlen(
                 q.reshape(n, s.num_k_heads, s.head_k_dim),
                 k.reshape(n, s.num_k_heads, s.head_k_dim),
                 v.reshape(n, s.num_v_heads, s.head_v_dim),
@@ -224,6 +227,7 @@ class GatedDeltaNet(nn.Module):
                 ssm_state,
                 meta,
                 use_qk_l2norm=True,
+                backend=self.backend,
             )  # [n, Hv, dv]
         out = self.norm(core, z).reshape(n, s.value_dim)
         return self.out_proj(out)  # [n, hidden]

@@ -107,7 +107,7 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         self.kind = config.layer_types[layer_idx]
         if self.kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config, layout=layout, tp=tp)
+            self.linear_attn = GatedDeltaNet(config, layout=layout, tp=tp, backend=backend)
         elif self.kind == "full_attention":
             self.self_attn = GatedAttention(config, rotary, tp, backend)
         else:

@@ -54,7 +54,8 @@ The config tree as data; fails with the parser's message when spurConfigYaml is 
 One worker group per lane plus one for the spare, derived from the config with
 configs/schema.py's defaults (tests/helm check that they agree):
   name, kind (lane | spare), deployment, device, tp, gpus (per pod), replicas,
-  minReplicas, maxReplicas, autoscaling (bool), drain (drain_timeout_s), drainSeconds
+  minReplicas, maxReplicas, autoscaling (bool), autoscalingSpec (the lane's autoscaling
+  tree), drain (drain_timeout_s), drainSeconds
   (rounded up), rayResources, maxOngoing, maxQueued, override (groups.<name>)
 Fails, naming the fix, on what JSON Schema cannot check: duplicate lane names, a spare
 serving an unknown lane, a group with fewer GPUs than tensor_parallel_size, autoscaling
@@ -129,7 +130,7 @@ bounds the wrong way round.
 {{- if and (eq .kind "spare") (not $spec.resources) -}}
 {{- $_ := set $rayResources "spare" "1" -}}
 {{- end -}}
-{{- $groups = append $groups (dict "name" $spec.name "kind" .kind "deployment" (printf "engine-%s" $spec.name) "device" $device "tp" $tp "gpus" $gpus "replicas" $replicas "minReplicas" $min "maxReplicas" $max "autoscaling" $autoscaling "drain" $drain "drainSeconds" (int (ceil $drain)) "rayResources" $rayResources "maxOngoing" (int ($spec.max_ongoing_requests | default 256)) "maxQueued" (int (ternary $spec.max_queued_requests 512 (hasKey $spec "max_queued_requests"))) "override" $override) -}}
+{{- $groups = append $groups (dict "name" $spec.name "kind" .kind "deployment" (printf "engine-%s" $spec.name) "device" $device "tp" $tp "gpus" $gpus "replicas" $replicas "minReplicas" $min "maxReplicas" $max "autoscaling" $autoscaling "autoscalingSpec" ($spec.autoscaling | default dict) "drain" $drain "drainSeconds" (int (ceil $drain)) "rayResources" $rayResources "maxOngoing" (int ($spec.max_ongoing_requests | default 256)) "maxQueued" (int (ternary $spec.max_queued_requests 512 (hasKey $spec "max_queued_requests"))) "override" $override) -}}
 {{- end -}}
 {{- toYaml (dict "groups" $groups) -}}
 {{- end -}}

@@ -1,0 +1,244 @@
+"""`spur bench serve --peer llama-cpp`: the pure pieces, the plot, and (opt-in) the real peer.
+
+The real llama.cpp build takes 10 to 60 minutes on two loaded cores, too long for
+CI even once: `test_real_llama_server` runs only with SPUR_TEST_LLAMA_CPP=1 (it
+builds, or reuses the cached build of, llama-server and llama-quantize). The HTTP
+client the bench uses is checked against a real `spur serve` in
+tests/e2e/test_bench_peer_client.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from spur.cluster.bench import llama_build, peer
+
+
+def _arm(tps: float, ttft: float, itl: float, errors: int = 0) -> dict[str, object]:
+    return {
+        "tokens_per_s": tps,
+        "ttft_ms_p50": ttft,
+        "ttft_ms_p99": 2 * ttft,
+        "itl_ms_p50": itl,
+        "itl_ms_p99": 3 * itl,
+        "errors": errors,
+    }
+
+
+def test_workload_is_seeded_short_chat() -> None:
+    a, b = peer.chat_workload(8, seed=3), peer.chat_workload(8, seed=3)
+    assert a == b and a != peer.chat_workload(8, seed=4)
+    for messages in a:
+        assert [m["role"] for m in messages] == ["user"]
+        # ~50 tokens with SmolLM2's template (its default system prompt is ~20 of them)
+        assert 16 <= len(messages[0]["content"].split()) <= 22
+
+
+def test_combine_takes_medians_and_per_round_ratios() -> None:
+    rounds = [
+        {"spur": _arm(80, 100, 10), "llama_cpp": _arm(100, 50, 8)},
+        {"spur": _arm(90, 120, 12), "llama_cpp": _arm(100, 60, 8, errors=1)},
+        {"spur": _arm(60, 80, 9), "llama_cpp": _arm(50, 40, 9)},
+    ]
+    level = peer.combine(16, rounds)
+    assert level["concurrency"] == 16
+    assert level["spur"]["tokens_per_s"] == 80 and level["llama_cpp"]["tokens_per_s"] == 100
+    assert level["llama_cpp"]["errors"] == 1
+    ratios = level["spur_over_llama_cpp"]
+    assert ratios["tokens_per_s"]["rounds"] == [0.8, 0.9, 1.2]
+    assert ratios["tokens_per_s"]["median"] == 0.9  # of the rounds, not of the medians
+    assert ratios["ttft_ms_p99"]["rounds"] == [2.0, 2.0, 2.0]
+    # A round that lacks a figure gives no ratio and is left out of the median.
+    rounds[0]["spur"]["itl_ms_p50"] = None
+    assert peer.combine(16, rounds)["spur_over_llama_cpp"]["itl_ms_p50"]["rounds"][0] is None
+
+
+def test_goals_at_the_highest_concurrency() -> None:
+    def pairing(dtype: str, top: tuple[float, float]) -> dict[str, object]:
+        low = peer.combine(1, [{"spur": _arm(10, 10, 1), "llama_cpp": _arm(99, 1, 1)}])
+        high = peer.combine(16, [{"spur": _arm(top[0], top[1], 1), "llama_cpp": _arm(100, 100, 1)}])
+        return {"spur_dtype": dtype, "levels": [high, low]}
+
+    goals = peer.goals(
+        {"pairings": [pairing("float32", (120, 90)), pairing("bfloat16", (120, 110))]}
+    )
+    assert goals["float32"] == {
+        "concurrency": 16,
+        "tokens_per_s_ratio": 1.2,
+        "ttft_p99_ratio": 0.9,
+        "met": True,
+    }
+    assert goals["bfloat16"]["met"] is False  # TTFT p99 worse than llama.cpp's
+
+
+def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
+    results = [
+        {"ttft": 0.1, "itl": [0.01, 0.03], "tokens": 3, "usage": True},
+        {"ttft": 0.3, "itl": [0.02], "tokens": 2, "usage": False},
+        {"error": "HTTP 503: busy"},
+    ]
+    s = peer.summarize(results, elapsed=0.5, concurrency=2)
+    assert (s["requests"], s["errors"], s["generated_tokens"]) == (3, 1, 5)
+    assert s["tokens_per_s"] == 10.0 and s["tokens_from_usage"] is False
+    assert s["ttft_ms_p50"] in (100.0, 300.0) and s["itl_ms_p99"] == 30.0
+    assert s["error_samples"] == ["HTTP 503: busy"]
+
+
+def test_llama_server_command_line() -> None:
+    cmd = peer.llama_server_cmd(Path("/b/llama-server"), Path("/m/x.F32.gguf"), 9, 2, 16, 512)
+    joined = " ".join(cmd)
+    for part in ("-t 2", "-tb 2", "-np 16", "-c 8192", "-fa on", "--port 9", "--cont-batching"):
+        assert part in joined
+
+
+def test_spur_config_sets_dtype_threads_and_port() -> None:
+    from spur.configs.loader import parse_config
+
+    data = peer.spur_config("bfloat16", port=8123, threads=2)
+    cfg = parse_config(data)  # the generated file is a valid config
+    (lane,) = cfg.lanes
+    assert lane.engine.model.dtype == "bfloat16"
+    assert lane.engine.runtime.num_threads == 2
+    assert cfg.server.port == 8123
+
+
+def test_build_dir_is_keyed_and_missing_tools_name_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    assert llama_build.build_dir().parent == tmp_path / "llama_cpp"
+    assert llama_build.build_dir("0.0.1") != llama_build.build_dir()
+    assert llama_build.binaries() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="cmake"):
+        llama_build.ensure_built()
+
+
+def test_an_interrupted_build_is_found_to_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    out = llama_build.build_dir()
+    assert llama_build._interrupted(out) is None
+    other = out.parent / f"{llama_build.VERSION}-0123456789ab.x1"  # another CPU's or flags' build
+    other.mkdir(parents=True)
+    (other / "key").write_text(other.name.split(".x1")[0])
+    assert llama_build._interrupted(out) is None
+    mine = out.parent / f"{out.name}.abc"
+    mine.mkdir()
+    (mine / "key").write_text(out.name)
+    assert llama_build._interrupted(out) == mine
+
+
+def test_plot_draws_both_servers(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (and the test extra) has it")
+    levels = [
+        peer.combine(c, [{"spur": _arm(20 * c, 50, 9), "llama_cpp": _arm(25 * c, 40, 8)}])
+        for c in (1, 4, 16)
+    ]
+    result = {
+        "model": peer.MODEL,
+        "threads": 2,
+        "cpu": peer.cpu_info(),
+        "pairings": [
+            {"spur_dtype": "float32", "llama_cpp_weights": "F32", "levels": levels},
+            {"spur_dtype": "bfloat16", "llama_cpp_weights": "BF16", "levels": levels},
+        ],
+    }
+    out = peer.plot(result, tmp_path / "sub" / "peer.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert width > 1000 and height > 700  # two rows of two panels
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("SPUR_TEST_LLAMA_CPP") != "1",
+    reason="builds llama.cpp (10-60 min on 2 cores): opt in with SPUR_TEST_LLAMA_CPP=1",
+)
+def test_real_llama_server(tmp_path: Path) -> None:
+    """The real peer: requantized F32 weights equal the Q4_1 file's dequantized values
+    (what spur loads), and llama-server streams the bench's workload in full."""
+    import gguf
+    import numpy as np
+
+    from spur.configs import env
+
+    bin_dir = llama_build.ensure_built()
+    src = peer.demo_gguf()
+    f32 = peer.requantize(
+        bin_dir / "llama-quantize", src, "F32", env.cache_dir() / "llama_cpp" / "models"
+    )
+    q_reader, f_reader = gguf.GGUFReader(src), gguf.GGUFReader(f32)
+    f_tensors = {t.name: t for t in f_reader.tensors}
+    name = "blk.0.attn_q.weight"
+    q = next(t for t in q_reader.tensors if t.name == name)
+    assert q.tensor_type.name == "Q4_1" and f_tensors[name].tensor_type.name == "F32"
+    want = gguf.quants.dequantize(q.data, q.tensor_type)
+    np.testing.assert_array_equal(np.asarray(f_tensors[name].data).reshape(want.shape), want)
+
+    with peer.llama_server(bin_dir / "llama-server", f32, 2, 4, tmp_path) as server:
+        work = peer.chat_workload(4, seed=0)
+        summary = asyncio.run(peer._arm(server.url, work, 16, 2))
+    assert summary["errors"] == 0, summary["error_samples"]
+    assert summary["generated_tokens"] == 4 * 16  # ignore_eos holds on llama-server too
+    assert summary["ttft_ms_p50"] is not None and summary["itl_ms_p50"] is not None
+    assert server.proc.poll() is not None  # stopped with its context
+
+
+def test_cli_misuse_is_a_usage_error() -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "spur.cluster.cli", "bench", "serve", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    res = run("--json")
+    assert res.returncode == 2 and "give --url" in res.stderr
+    res = run("--peer", "llama-cpp", "--url", "http://127.0.0.1:1")
+    assert res.returncode == 2 and "drop --url" in res.stderr
+    # Checked before anything is built or started.
+    res = run("--peer", "llama-cpp", "--dtypes", "float16", "--json")
+    assert res.returncode == 2 and "no llama.cpp pairing" in res.stderr
+    assert res.stdout == "" and "Traceback" not in res.stderr
+
+
+def test_plot_draws_a_plain_serve_result(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (and the test extra) has it")
+    from spur.cluster.bench import plot
+
+    levels = [
+        {
+            "serve": {"concurrency": c, "tokens_per_s": 9.0 * c, "ttft_ms_p50": 50.0 * c,
+                      "ttft_ms_p99": 90.0 * c},
+            "offline": {"concurrency": c, "tokens_per_s": 10.0 * c},
+            "serve_over_offline": 0.9,
+        }
+        for c in (1, 8, 32)
+    ]  # fmt: skip
+    out = plot.draw({"bench": "serve", "model": "chat", "levels": levels}, tmp_path / "s.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bars_count_requests_and_stay_off_stdout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from spur.cluster.bench.progress import progress_bars
+
+    with progress_bars(True, per_arm=3) as bars:
+        advance = bars.arm("c=1 round 1 spur")
+        for _ in range(3):
+            advance()
+        task = bars._progress.tasks[0]
+        assert (task.completed, task.total) == (3, 3)
+    assert capsys.readouterr().out == ""
+    with progress_bars(False) as bars:
+        bars.arm("nothing")()  # disabled: callable, does nothing

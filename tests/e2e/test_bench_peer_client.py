@@ -1,0 +1,30 @@
+"""The peer bench's HTTP client (`bench serve --peer llama-cpp`) against a real
+`spur serve`: streamed chat completions counted from the usage chunk, TTFT and ITL
+measured, the workload sent at the asked concurrency. The llama.cpp side of the
+same client runs in tests/cluster/test_bench_peer.py (opt-in: it builds llama.cpp)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from spur.cluster.bench import peer
+
+pytestmark = pytest.mark.slow
+
+
+def test_peer_arm_against_spur_serve(spur_server: Any) -> None:
+    work = peer.chat_workload(4, seed=0)
+    seen: list[int] = []
+    summary = asyncio.run(
+        peer._arm(spur_server.url, work, 12, 2, advance=lambda: seen.append(1), model="smol")
+    )
+    assert summary["errors"] == 0, summary["error_samples"]
+    assert summary["generated_tokens"] == 4 * 12  # ignore_eos, counted from usage
+    assert summary["tokens_from_usage"] is True
+    assert len(seen) == 4  # the progress callback ran once per request
+    assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"]
+    assert 0 < summary["itl_ms_p50"] <= summary["itl_ms_p99"]
+    assert summary["tokens_per_s"] > 0

@@ -1,0 +1,232 @@
+"""n-gram speculative decoding in the engine core (pure Python, fake executor).
+
+The fake executor verifies drafts greedily against its own model and writes the
+drafts' KV into its simulated cache, so a rollback that went wrong (a rejected
+draft's slot read as if it were computed) raises KVCorruption.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spur.actors.engine.core import EngineCore
+from spur.actors.engine.executor import FakeExecutor
+from spur.actors.engine.groups import cdiv
+from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.spec_decode import (
+    NgramIndex,
+    NgramProposer,
+    SpeculativeConfig,
+    accepted_prefix,
+    can_draft,
+)
+from tests.engine.helpers import FULL, SLIDING, STATE, assert_all_free
+
+K = 4
+
+
+# -- the proposer ------------------------------------------------------------------------
+def test_ngram_takes_the_longest_suffix_then_the_latest_occurrence():
+    index = NgramIndex(1, 3)
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6]
+    # "5 6" ends at 2 and 6; the latest (6) wins: drafts follow it.
+    assert index.propose(tokens, 3) == [8, 2, 5]
+    tokens = [1, 2, 3, 9, 2, 3, 7, 0, 1, 2, 3]
+    # "1 2 3" (n=3) recurs at 3 and beats the later "2 3" (n=2, end 6).
+    assert NgramIndex(1, 3).propose(tokens, 2) == [9, 2]
+
+
+def test_ngram_drafts_stop_at_the_end_and_never_match_the_suffix_itself():
+    index = NgramIndex(2, 2)
+    assert index.propose([1, 2, 3], 4) == []  # "2 3" occurs only as the suffix
+    tokens = [1, 2, 1, 2]
+    assert index.propose(tokens, 5) == [1, 2]  # follows the end at 2: only 2 known
+    tokens += [1]  # the index grows incrementally
+    assert index.propose(tokens, 5) == [2, 1]
+    assert NgramIndex(3, 4).propose([1, 2, 1, 2], 5) == []  # below min_n
+
+
+def test_who_may_draft():
+    assert can_draft(SamplingParams(temperature=0.7, top_p=0.9), 0)
+    assert not can_draft(SamplingParams(repetition_penalty=1.1), 5)
+    assert not can_draft(SamplingParams(presence_penalty=0.5), 5)
+    assert not can_draft(SamplingParams(logprobs=0), 5)
+    assert not can_draft(SamplingParams(min_tokens=3), 2)
+    assert can_draft(SamplingParams(min_tokens=3), 3)
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    tokens = [1, 2, 3, 4, 5, 1]
+    assert proposer.propose("a", tokens, SamplingParams(), 0, max_new=10) == [2, 3, 4]
+    assert proposer.propose("a", tokens, SamplingParams(), 0, max_new=3) == [2, 3]
+    assert proposer.propose("b", tokens, SamplingParams(), 0, max_new=1) == []
+    assert len(proposer) == 1
+    proposer.drop("a")
+    assert len(proposer) == 0
+    assert accepted_prefix([4, 5, 6], [4, 5, 7, 8]) == 2
+    assert accepted_prefix([4], [3, 1]) == 0
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="min <= max"):
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="unknown"):
+        SpeculativeConfig(num_speculative_tokens=2, method="eagle")
+
+
+def test_state_group_models_refuse_speculation():
+    kv = KVCacheConfig(block_size=4, num_blocks=64, groups=(FULL, STATE))
+    with pytest.raises(ValueError, match=r"cannot be rolled back.*unset engine.speculative"):
+        Scheduler(
+            SchedulerConfig(max_model_len=64, speculative=SpeculativeConfig(K)),
+            kv,
+        )
+
+
+# -- the engine loop ---------------------------------------------------------------------
+CYCLE = 40
+
+
+def model(tokens: list[int]) -> int:
+    """Prompts starting with 0 continue a 40-token cycle (every draft of a
+    repeating cycle is right); others follow a rule that depends on the length,
+    so n-gram drafts from their history are often wrong."""
+    if tokens[0] == 0:
+        return (tokens[-1] + 1) % CYCLE
+    return (tokens[-1] * 7 + tokens[-2] + len(tokens) // 3) % 97 + 100
+
+
+def make(
+    spec: bool, *, num_blocks: int = 128, groups=(FULL,), budget: int = 64, max_len: int = 160
+) -> tuple[EngineCore, Scheduler]:
+    kv = KVCacheConfig(block_size=4, num_blocks=num_blocks, groups=groups)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=16,
+            max_model_len=max_len,
+            speculative=SpeculativeConfig(K, prompt_lookup_min=1, prompt_lookup_max=3)
+            if spec
+            else None,
+        ),
+        kv,
+    )
+    return EngineCore(sched, FakeExecutor(kv, vocab_size=1000, model=model)), sched
+
+
+PROMPTS = [
+    list(range(CYCLE)) + list(range(10)),  # heavy drafter: all drafts right
+    [0, *range(20, 30)],  # cycles only after 40 tokens: drafts start late
+    [5, 9, 100, 101, 102, 100, 101],  # drafts, mostly wrong
+    [7, 3],  # next to no history
+]
+
+
+def run(core: EngineCore, sched: Scheduler, max_tokens: int = 60) -> tuple[dict, dict, dict]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(sched.make_request(f"r{i}", p, params))
+    out: dict[str, list[int]] = {}
+    counts: dict[str, tuple[int, int]] = {}
+    steps: dict[str, int] = {}  # steps that gave the request tokens
+    while core.has_unfinished_requests():
+        outputs, _ = core.step()
+        sched.check_integrity()
+        for req in sched.running:  # held blocks never exceed tokens + drafts
+            bound = cdiv(req.num_tokens + K, sched.block_size)
+            assert sum(sched.kv.num_held(req.request_id)) <= bound * len(sched.kv.managers)
+        for o in outputs:
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+            counts[o.req_id] = (o.num_draft_tokens, o.num_accepted_tokens)
+            steps[o.req_id] = steps.get(o.req_id, 0) + 1
+    assert_all_free(sched)
+    assert sched.kv.leaks.num_violations == 0
+    return out, counts, steps
+
+
+@pytest.mark.parametrize(
+    ("label", "kwargs"),
+    [
+        ("roomy", {}),
+        ("small budget cuts drafts", {"budget": 6}),
+        ("preemption", {"num_blocks": 31, "max_len": 120}),
+        ("sliding window", {"groups": (FULL, SLIDING)}),
+    ],
+)
+def test_greedy_output_is_identical_and_rollback_leaves_no_leak(label, kwargs):
+    plain, counts0, steps0 = run(*make(False, **kwargs))
+    core, sched = make(True, **kwargs)
+    spec, counts, steps = run(core, sched)
+    assert spec == plain
+    assert all(len(v) == 60 for v in spec.values())
+    assert counts0 == {f"r{i}": (0, 0) for i in range(4)}
+    drafted, accepted = counts["r0"]
+    assert drafted > 0 and accepted >= 0.9 * drafted  # the cycle: nearly all kept
+    assert counts["r2"][0] > counts["r2"][1]  # some drafts rejected: rollback ran
+    stats = sched.spec_stats
+    assert stats.num_draft_tokens == sum(d for d, _ in counts.values())
+    assert stats.num_accepted_tokens == sum(a for _, a in counts.values())
+    if label == "preemption":
+        assert sched.total_preemptions > 0
+    if label == "roomy":  # the cycle needs far fewer steps; the one without history not
+        assert steps["r0"] < steps0["r0"] * 0.4
+        assert steps["r3"] == steps0["r3"] == 60
+
+
+def test_step_stats_count_each_verify_step_once():
+    core, sched = make(True)
+    params = SamplingParams(max_tokens=30, temperature=0)
+    core.add_request(sched.make_request("a", PROMPTS[0], params))
+    totals = [0, 0, 0]
+    while core.has_unfinished_requests():
+        _, stats = core.step()
+        totals[0] += stats.spec_num_drafts
+        totals[1] += stats.spec_num_draft_tokens
+        totals[2] += stats.spec_num_accepted_tokens
+    s = sched.spec_stats
+    assert totals == [s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens]
+    assert s.num_drafts > 0 and s.accepted_per_pos[0] == s.num_drafts
+    # Never drafts past max_tokens: every verify step could be kept in full.
+    assert s.num_accepted_tokens + s.num_drafts <= 30
+
+
+def test_metrics_count_drafts_and_render_under_vllms_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from spur.actors.engine.metrics import EngineMetrics
+    from spur.cluster.metrics import MetricsStore, render
+    from spur.configs.loader import config_to_dict, parse_config
+
+    core, sched = make(True)
+    metrics = EngineMetrics(max_model_len=160)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(sched.make_request(f"r{i}", p, params))
+        metrics.on_add(f"r{i}", len(p))
+    generated = 0
+    while core.has_unfinished_requests():
+        outputs, stats = core.step()
+        metrics.on_step(outputs, stats, sched)
+        generated += sum(len(o.new_token_ids) for o in outputs)
+    s = sched.spec_stats
+    counters = metrics.snapshot()["counters"]
+    assert counters["vllm:spec_decode_num_drafts"] == s.num_drafts > 0
+    assert counters["vllm:spec_decode_num_draft_tokens"] == s.num_draft_tokens
+    assert counters["vllm:spec_decode_num_accepted_tokens"] == s.num_accepted_tokens > 0
+    assert counters["vllm:generation_tokens"] == generated == 4 * 40
+
+    config = config_to_dict(parse_config({"version": 1, "lanes": [{"name": "chat"}]}))
+    store = MetricsStore()
+    store.update_engine("r1", "chat", metrics.snapshot())
+    text = render({"store": store.view()}, config).decode()
+    found = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert found["vllm:spec_decode_num_draft_tokens_total"] == s.num_draft_tokens
+    assert found["vllm:spec_decode_num_accepted_tokens_total"] == s.num_accepted_tokens
+    assert found["vllm:spec_decode_num_drafts_total"] == s.num_drafts
