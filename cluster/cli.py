@@ -373,7 +373,8 @@ def cmd_config(args: argparse.Namespace) -> int:
         key = args.api_key or client_api_key(admin=True)
         headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), 10) as resp:
+            request = urllib.request.Request(url, headers=headers)
+            with urllib.request.urlopen(request, timeout=10) as resp:
                 live = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise UsageError(f"cannot read the live config at {url}: {e}") from None

@@ -4,8 +4,8 @@ by the module that needs them (module-scoped: CI pays one start-up).
     obs_server   lanes  chat    the tiny model, one primary with a small pool (96
                                 blocks: preemption storms), spare "spare"
                         leaky   the tiny model with the tests-only broken retirement
-                                (engine.runtime.test_leak_blocks_per_step), 40 blocks,
-                                4 requests at a time (the rest wait), no spare
+                                (engine.runtime.test_leak_blocks_per_step), 48 blocks,
+                                2 requests at a time (the rest wait), no spare
                  spare  spare   the tiny model, serves chat
     prom         Prometheus (Debian's `prometheus`; .ci/run installs it) scraping
                  /metrics every second, with spur's alert rules loaded
@@ -73,7 +73,7 @@ def obs_config(model_dir: Path, port: int, *, metrics: bool = True) -> dict[str,
                 "name": "leaky",
                 "served_model_names": ["leaky"],
                 "engine": _engine(
-                    model_dir, num_kv_blocks=40, max_num_seqs=4, test_leak_blocks_per_step=1
+                    model_dir, num_kv_blocks=48, max_num_seqs=2, test_leak_blocks_per_step=1
                 ),
             },
         ],

@@ -200,7 +200,12 @@ def _while_running(
     start = time.time()
     result = work()
     end = time.time() + 2.0
-    time.sleep(3.0)  # the last engine push and scrape of the interval
+    # The interval's last engine push (every second) reaches a scrape after `end`.
+    prom.wait(
+        "a scrape after the interval",
+        lambda: (prom.value("max(timestamp(spur:config_info))") or 0) > end,
+        timeout_s=30,
+    )
     return result, {name: prom.held_between(alert(name), start, end) for name in alerts}
 
 
@@ -220,15 +225,20 @@ def test_preemption_storm(obs_server: Server, prom: Prometheus) -> None:
 def test_the_leak_shows(obs_server: Server, prom: Prometheus) -> None:
     """The leaky lane's broken retirement keeps an extra block per step (up to just
     over twice what a request needs): held/geometry exceeds 2 within one request,
-    the leak detector counts the requests, and with 12 requests the leaked blocks
-    fill the pool while requests wait. Each of those alerts' expressions holds."""
+    the leak detector counts the requests, and the leaked blocks fill the pool
+    while requests wait. Each of those alerts' expressions holds.
+
+    Sizes: 44-token prompts and 200 tokens out (3 to 16 blocks of 16), 2 running
+    at a time in 48 blocks: both requests stay at 2n + 1 blocks (over 2x) until n
+    reaches 11 (about 140 steps, several of the engine's 0.25 s capacity samples
+    even on a fast machine); from there the pool is full while 4 requests wait."""
     leaky = '{lane="leaky"}'
     statuses, seen = _while_running(
         prom,
-        lambda: _burst(obs_server, "leaky", 12, 100),
+        lambda: _burst(obs_server, "leaky", 6, 200),
         ("SpurHeldOverGeometry", "SpurKVFullWhileWaiting"),
     )
-    assert statuses == [200] * 12
+    assert statuses == [200] * 6
     prom.wait(
         "the leak counter rose",
         lambda: (prom.value(f"sum(spur:kv_leak_violations_total{leaky})") or 0) >= 1,
