@@ -375,19 +375,37 @@ def _lost(results: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]
     ]
 
 
+def _busiest(env: Env, candidates: list[str]) -> str | None:
+    """The candidate node whose chat replica reports the most running requests (its
+    heartbeats), or None while none of them runs any."""
+    by_node = {env.nodes[name].node_id: name for name in candidates if name in env.nodes}
+    running = {
+        by_node[r["node"]]: r["running"]
+        for r in env.lanes()["chat"]["replicas"]
+        if r["healthy"] and r["node"] in by_node and r["running"] > 0
+    }
+    return max(running, key=running.__getitem__) if running else None
+
+
 def _run_with_removal(
-    env: Env, node: str, n: int, after: int
-) -> tuple[list[dict[str, Any]], float]:
-    """Run `n` requests at concurrency 16 and remove `node` once `after` started.
-    Returns the results and the time the removal began."""
+    env: Env, candidates: list[str], n: int, after: int
+) -> tuple[list[dict[str, Any]], float, str]:
+    """Run `n` requests at concurrency 16; once `after` started, remove whichever of
+    the `candidates` nodes is serving requests (prefix affinity may keep all traffic
+    on one replica: removing an idle one would test nothing).
+    Returns the results, the time the removal began and the node removed."""
     started: list[float] = []
-    removed_at: list[float] = []
+    removed: list[tuple[float, str]] = []
 
     async def main() -> list[dict[str, Any]]:
         async def remover() -> None:
             while len(started) < after:
                 await asyncio.sleep(0.02)
-            removed_at.append(time.monotonic())
+            deadline = time.monotonic() + 60
+            while (node := await asyncio.to_thread(_busiest, env, candidates)) is None:
+                assert time.monotonic() < deadline, f"no replica on {candidates} ran requests"
+                await asyncio.sleep(0.1)
+            removed.append((time.monotonic(), node))
             await asyncio.to_thread(env.cluster.remove_node, env.nodes.pop(node))
 
         task = asyncio.create_task(remover())
@@ -396,11 +414,11 @@ def _run_with_removal(
         return results
 
     results = asyncio.run(main())
-    return results, removed_at[0]
+    return results, removed[0][0], removed[0][1]
 
 
 def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
-    results, removed_at = _run_with_removal(env, "a", n=200, after=60)
+    results, removed_at, _ = _run_with_removal(env, ["a", "b"], n=200, after=60)
     lost = _lost(results, 16)
     assert not lost, lost[:5]
     # Failover time: from the node's removal until the index held its replica
@@ -438,7 +456,7 @@ def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
 
 def test_losing_both_primaries_sends_the_lane_to_the_spare(env: Env) -> None:
     spare_before = sum(r["prefix_queries_total"] for r in env.replicas("spare").values())
-    results, _ = _run_with_removal(env, "b", n=60, after=8)
+    results, _, _ = _run_with_removal(env, ["a", "b"], n=60, after=8)
     lost = _lost(results, 16)
     assert not lost, lost[:5]
     lanes = env.wait_for(
