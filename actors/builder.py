@@ -12,16 +12,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from spur.actors.engine.capacity import build_groups
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
 from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
-from spur.actors.engine.hashing import DEFAULT_HASH_SEED
 from spur.actors.engine.kv_cache_manager import KVCacheConfig
 from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
 from spur.actors.engine.spec_decode import SpeculativeConfig
+from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
+from spur.configs.defaults import DEFAULT_HASH_SEED
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +160,7 @@ def build_engine(
 
 def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:
     """The engine's cache groups: for a hybrid model those of its geometry, built by
-    the same function (`capacity.build_groups`) as the worker's pool layout and as
+    the same function (`cache_spec.build_groups`) as the worker's pool layout and as
     `spur capacity`; else one full-attention group."""
     if info.geometry is not None:
         return build_groups(info.geometry)[0]

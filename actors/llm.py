@@ -17,8 +17,8 @@ from spur.actors.engine.chat_template import chat_token_ids
 from spur.actors.engine.output_processor import Delta, OutputProcessor
 from spur.actors.engine.outputs import RequestOutput
 from spur.actors.engine.request import RequestStatus
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.engine.scheduler import check_token_ids
+from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -388,7 +388,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.step import SamplingParams
 
     try:
         params = SamplingParams(

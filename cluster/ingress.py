@@ -34,7 +34,8 @@ from ray.serve.exceptions import BackPressureError
 from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids
 from spur.actors.engine.hashing import BlockHasher, tenant_salt
 from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from spur.actors.engine.outputs import CompletionOutput, RequestOutput
+from spur.actors.step import Logprobs
 from spur.cluster import metrics as M
 from spur.cluster import protocol as P
 from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard

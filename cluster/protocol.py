@@ -40,7 +40,7 @@ from pydantic import (
     model_validator,
 )
 
-from spur.actors.engine.sampling_params import SamplingParams, SamplingParamsError
+from spur.actors.step import SamplingParams, SamplingParamsError
 from spur.cluster.errors import (
     FieldError,
     ProtocolError,
@@ -52,7 +52,8 @@ from spur.cluster.errors import (
 
 if TYPE_CHECKING:
     from spur.actors.engine.output_processor import Delta
-    from spur.actors.engine.outputs import Logprobs, RequestOutput
+    from spur.actors.engine.outputs import RequestOutput
+    from spur.actors.step import Logprobs
 
 # JSON types without coercion: "1" is not an int, true is not 1, 1.5 is not an int
 # (an int is a valid float, as in JSON Schema).

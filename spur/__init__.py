@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "spur.actors.llm",
-    "SamplingParams": "spur.actors.engine.sampling_params",
+    "SamplingParams": "spur.actors.step",
     "RequestOutput": "spur.actors.engine.outputs",
     "CompletionOutput": "spur.actors.engine.outputs",
 }

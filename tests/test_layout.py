@@ -1,4 +1,4 @@
-"""Rules of the layout (DESIGN.md section 3) that a test can enforce."""
+"""Rules of the layout (docs/architecture.md, "Layers") that a test can enforce."""
 
 from __future__ import annotations
 
@@ -21,6 +21,58 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
     return names
+
+
+def _spur_imports(path: Path) -> set[str]:
+    """Every `spur.*` module a file imports, at any depth (function bodies too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return {n for n in names if n.startswith("spur.")}
+
+
+def _offenders(files: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """file -> the imported spur modules under any of the `forbidden` prefixes."""
+    found = {}
+    for path in files:
+        imported = _spur_imports(path)
+        bad = sorted(m for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+def _py(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_contract_modules_import_only_the_standard_library():
+    """The step contract and the cache spec are what the engine and the worker
+    share: they must not pull either side (or torch, ray, pydantic) in."""
+    allowed = set(sys.stdlib_module_names) | {"__future__"}
+    for rel in ("actors/step.py", "actors/cache_spec.py", "configs/defaults.py"):
+        extra = _imports(ROOT / rel) - allowed
+        assert not extra, f"{rel} imports {sorted(extra)}: keep it standard library only"
+
+
+def test_worker_never_imports_the_engine():
+    """The worker talks to the engine only through `spur.actors.step` and
+    `spur.actors.cache_spec`."""
+    assert not _offenders(_py("actors/worker"), ("spur.actors.engine",))
+
+
+def test_configs_import_nothing_above_them():
+    """The config layer is the bottom one: shared defaults live in
+    `configs/defaults.py`, not in the modules that read them."""
+    assert not _offenders(_py("configs"), ("spur.actors", "spur.cluster", "spur.kernels"))
+
+
+def test_kernels_import_neither_actors_nor_cluster():
+    assert not _offenders(_py("kernels"), ("spur.actors", "spur.cluster"))
 
 
 def test_engine_core_imports_neither_torch_nor_ray():

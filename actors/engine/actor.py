@@ -24,8 +24,8 @@ from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
 from spur.actors.engine.metrics import EngineMetrics, break_retirement, engine_info
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.sampling_params import SamplingParams, SamplingParamsError
 from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.step import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spur.actors.engine.outputs import (
-    CompletionOutput,
-    EngineCoreOutput,
-    Logprobs,
-    RequestOutput,
-)
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from spur.actors.step import Logprobs, SamplingParams
 
 
 @dataclass

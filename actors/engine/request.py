@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from spur.actors.engine.hashing import BlockHash, BlockHasher, MultiModalSpan
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -26,19 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
-from spur.actors.engine.outputs import (
+from spur.actors.engine.outputs import EngineCoreOutput, SchedulerStats
+from spur.actors.engine.request import Request, RequestStatus
+from spur.actors.engine.request_queue import make_queue
+from spur.actors.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
+from spur.actors.step import (
     CachedRequestData,
-    EngineCoreOutput,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    SamplingParams,
     SchedulerOutput,
-    SchedulerStats,
 )
-from spur.actors.engine.request import Request, RequestStatus
-from spur.actors.engine.request_queue import make_queue
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.worker import Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from spur.actors.engine.core import EngineCore
 from spur.actors.engine.executor import FakeExecutor
 from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
 from spur.actors.engine.request import Request
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.step import SamplingParams
 
 VLLM_REFERENCE_RPS = 1400.0
 

@@ -170,8 +170,8 @@ def run_spur_arm(
     shutting down: `matmul_s` is what the run would take if attention, norms,
     sampling and scheduling cost nothing.
     """
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
     from spur.actors.worker.hf_reference import PeakRss
 
     kwargs: dict[str, Any] = {
@@ -259,8 +259,8 @@ def prefix_hit_speedup(
     so a hit starts from the longest such point inside the shared prefix.)"""
     import statistics
 
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
     from spur.actors.worker.loader import load_config, resolve_model_dir
 
     vocab = int(load_config(resolve_model_dir(model)).get_text_config().vocab_size)

@@ -163,8 +163,8 @@ def run(
     engine (on an oversubscribed machine 1 thread is far steadier than 2).
     Raises ValueError for an unknown workload.
     """
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
 
     unknown = set(workloads) - set(WORKLOADS)
     if unknown or not workloads:

@@ -20,9 +20,9 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.outputs import CompletionOutput, RequestOutput
 from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.step import Logprobs, SamplingParams
 from spur.cluster import protocol as P
 from spur.cluster.errors import (
     ProtocolError,

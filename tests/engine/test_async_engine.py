@@ -9,8 +9,8 @@ import pytest
 from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
 from spur.actors.engine.output_processor import Delta
 from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.step import SamplingParams
 
 from .helpers import make_engine, prompts
 

@@ -12,8 +12,8 @@ from spur.actors.engine import capacity as cap
 from spur.actors.engine.executor import FakeExecutor
 from spur.actors.engine.groups import StateManager
 from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.step import SamplingParams
 from spur.cluster.cli import main
 
 # A Qwen3-Next-like hybrid: 8 full-attention layers, 32 Gated DeltaNet layers.

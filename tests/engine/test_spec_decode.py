@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from spur.actors.cache_spec import cdiv
 from spur.actors.engine.core import EngineCore
 from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.groups import cdiv
 from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
 from spur.actors.engine.spec_decode import (
     NgramIndex,
@@ -22,6 +21,7 @@ from spur.actors.engine.spec_decode import (
     accepted_prefix,
     can_draft,
 )
+from spur.actors.step import SamplingParams
 from tests.engine.helpers import FULL, SLIDING, STATE, assert_all_free
 
 K = 4
