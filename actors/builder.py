@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
-from spur.actors.engine.spec_decode import SpeculativeConfig
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.spec_decode import SpeculativeConfig
 from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig

@@ -452,7 +452,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     import json as _json
     from pathlib import Path
 
-    from spur.actors.engine import capacity as cap
+    from spur.actors.engine.core import capacity as cap
 
     try:
         geometry = cap.load_geometry(

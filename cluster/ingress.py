@@ -31,10 +31,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids
-from spur.actors.engine.hashing import BlockHasher, tenant_salt
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import CompletionOutput, RequestOutput
+from spur.actors.engine.core.hashing import BlockHasher, tenant_salt
+from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
+from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
+from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.step import Logprobs
 from spur.cluster import metrics as M
 from spur.cluster import protocol as P

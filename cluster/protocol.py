@@ -51,8 +51,8 @@ from spur.cluster.errors import (
 )
 
 if TYPE_CHECKING:
-    from spur.actors.engine.output_processor import Delta
-    from spur.actors.engine.outputs import RequestOutput
+    from spur.actors.engine.core.outputs import RequestOutput
+    from spur.actors.engine.shell.output_processor import Delta
     from spur.actors.step import Logprobs
 
 # JSON types without coercion: "1" is not an int, true is not 1, 1.5 is not an int

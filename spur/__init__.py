@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "spur.actors.llm",
     "SamplingParams": "spur.actors.step",
-    "RequestOutput": "spur.actors.engine.outputs",
-    "CompletionOutput": "spur.actors.engine.outputs",
+    "RequestOutput": "spur.actors.engine.core.outputs",
+    "CompletionOutput": "spur.actors.engine.core.outputs",
 }
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

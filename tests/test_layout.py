@@ -75,23 +75,53 @@ def test_kernels_import_neither_actors_nor_cluster():
     assert not _offenders(_py("kernels"), ("spur.actors", "spur.cluster"))
 
 
-def test_engine_core_imports_neither_torch_nor_ray():
+CORE = ROOT / "actors" / "engine" / "core"
+SHELL = ROOT / "actors" / "engine" / "shell"
+
+
+def test_engine_folder_holds_only_core_and_shell():
+    """Every engine module sits in core/ or shell/, so the folder says which rules apply."""
+    loose = [p.name for p in (ROOT / "actors" / "engine").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"put {loose} in actors/engine/core/ (pure) or actors/engine/shell/"
+
+
+def test_engine_core_is_pure():
+    """The core is plain Python: no torch, no Ray, no asyncio, and nothing from the
+    layers around it (the shell, the worker, the cluster, the kernels)."""
     offenders = {}
-    for path in sorted((ROOT / "actors" / "engine").glob("*.py")):
-        if path.name == "actor.py":  # the Ray shell is allowed
-            continue
-        bad = _imports(path) & {"torch", "ray"}
+    for path in sorted(CORE.glob("*.py")):
+        bad = _imports(path) & {"torch", "ray", "asyncio"}
         if bad:
-            offenders[path.name] = bad
+            offenders[path.name] = sorted(bad)
     assert not offenders, f"pure core files import {offenders}"
+    outer = (
+        "spur.actors.engine.shell",
+        "spur.actors.worker",
+        "spur.actors.builder",
+        "spur.actors.llm",
+        "spur.cluster",
+        "spur.kernels",
+    )
+    assert not _offenders(sorted(CORE.glob("*.py")), outer)
+
+
+def test_engine_shell_uses_ray_only_in_its_actor():
+    """The shell's asyncio loop, output processing and metrics run without Ray
+    (the offline LLM class and unit tests use them); only shell/actor.py is Ray's."""
+    offenders = {}
+    for path in sorted(SHELL.glob("*.py")):
+        bad = _imports(path) & ({"torch", "ray"} if path.name != "actor.py" else set())
+        if bad:
+            offenders[path.name] = sorted(bad)
+    assert not offenders, f"shell files import {offenders}"
 
 
 def test_importing_the_whole_core_loads_no_torch_or_ray():
     modules = [
-        f"spur.actors.engine.{p.stem}"
-        for p in sorted((ROOT / "actors" / "engine").glob("*.py"))
+        f"spur.actors.engine.{p.parent.name}.{p.stem}"
+        for p in sorted([*CORE.glob("*.py"), *SHELL.glob("*.py")])
         if p.stem not in ("__init__", "actor")
-    ]
+    ] + ["spur.actors.step", "spur.actors.cache_spec"]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"

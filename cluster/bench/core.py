@@ -27,11 +27,11 @@ import random
 import time
 from typing import Any
 
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
-from spur.actors.engine.request import Request
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.fake_executor import FakeExecutor
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig, KVCacheManager
+from spur.actors.engine.core.request import Request
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 from spur.actors.step import SamplingParams
 
 VLLM_REFERENCE_RPS = 1400.0
@@ -155,7 +155,7 @@ def run_scheduler_arm(
 
 def run_hash_arms(prompts: list[list[int]], block_size: int) -> dict[str, Any]:
     """Ours vs the vLLM-style pickle hash, interleaved, same prompts."""
-    from spur.actors.engine.hashing import BlockHasher
+    from spur.actors.engine.core.hashing import BlockHasher
 
     hasher = BlockHasher(block_size)
     ours = base = 0.0

@@ -82,7 +82,7 @@ def chat_messages(n: int, seed: int) -> list[list[dict[str, str]]]:
 def drive(llm: Any, prompts: list[list[int]], params: Any, concurrency: int) -> dict[str, Any]:
     """Run `prompts` through the engine keeping up to `concurrency` in flight.
     Returns tokens/s, latency percentiles, draft counts and the token ids."""
-    from spur.actors.engine.output_processor import OutputProcessor
+    from spur.actors.engine.shell.output_processor import OutputProcessor
 
     processor = OutputProcessor(None)
     engine = llm.engine

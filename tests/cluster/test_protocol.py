@@ -19,9 +19,9 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import CompletionOutput, RequestOutput
-from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
+from spur.actors.engine.core.scheduler import RequestRejected
+from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.step import Logprobs, SamplingParams
 from spur.cluster import protocol as P
 from spur.cluster.errors import (

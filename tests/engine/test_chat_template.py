@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids, render_chat
+from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids, render_chat
 
 
 @pytest.fixture(scope="module")

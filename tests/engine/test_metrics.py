@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from spur.actors.engine.metrics import (
+from spur.actors.engine.shell.metrics import (
     EngineMetrics,
     Histogram,
     break_retirement,

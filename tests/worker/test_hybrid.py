@@ -286,9 +286,9 @@ def test_prefill_stops_at_its_last_block_boundary(caching):
     16 prefills 96 tokens, then the 4-token tail: the state after 96 tokens is
     kept and cacheable. Without caching there is nothing to keep: one chunk."""
     from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
-    from spur.actors.engine.executor import FakeExecutor
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+    from spur.actors.engine.core.fake_executor import FakeExecutor
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 
     groups = (
         KVCacheGroup(FullAttentionSpec(1, 1, 2), 1),

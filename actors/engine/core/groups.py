@@ -24,8 +24,8 @@ run-time leak detector both use it, so the claim and the check cannot disagree.
 from __future__ import annotations
 
 from spur.actors.cache_spec import KVCacheSpec, SlidingWindowSpec, StateSpec, cdiv
-from spur.actors.engine.block_pool import BlockPool, KVCacheBlock
-from spur.actors.engine.hashing import BlockHash
+from spur.actors.engine.core.block_pool import BlockPool, KVCacheBlock
+from spur.actors.engine.core.hashing import BlockHash
 
 
 # -- managers: per-request tables of one group ---------------------------------------

@@ -15,10 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
-from spur.actors.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
-from spur.actors.engine.groups import GroupManager, make_manager
-from spur.actors.engine.hashing import BlockHasher
-from spur.actors.engine.request import Request
+from spur.actors.engine.core.block_pool import BlockPool, KVCacheBlock, KVEvent
+from spur.actors.engine.core.groups import GroupManager, make_manager
+from spur.actors.engine.core.hashing import BlockHasher
+from spur.actors.engine.core.request import Request
 from spur.configs.defaults import DEFAULT_HASH_SEED
 
 logger = logging.getLogger(__name__)

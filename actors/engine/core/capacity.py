@@ -45,7 +45,7 @@ from spur.actors.cache_spec import (
     build_groups,
     dtype_bytes,
 )
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -381,8 +381,8 @@ def simulate_request(
     its full length."""
     import random
 
-    from spur.actors.engine.executor import FakeExecutor
-    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+    from spur.actors.engine.core.fake_executor import FakeExecutor
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
     from spur.actors.step import SamplingParams
 
     kv_config = KVCacheConfig(block_size=block_size, num_blocks=num_blocks, groups=groups)

@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
-from spur.actors.engine.metrics import EngineMetrics, break_retirement, engine_info
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.scheduler import RequestRejected
+from spur.actors.engine.shell.async_engine import AsyncEngine, EngineDeadError
+from spur.actors.engine.shell.metrics import EngineMetrics, break_retirement, engine_info
+from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.step import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)

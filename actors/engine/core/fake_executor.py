@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spur.actors.cache_spec import SlidingWindowSpec, StateSpec, cdiv
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
 from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 
 _MOD = (1 << 61) - 1

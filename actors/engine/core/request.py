@@ -17,7 +17,7 @@ import enum
 import time
 from collections.abc import Sequence
 
-from spur.actors.engine.hashing import BlockHash, BlockHasher, MultiModalSpan
+from spur.actors.engine.core.hashing import BlockHash, BlockHasher, MultiModalSpan
 from spur.actors.step import SamplingParams
 
 

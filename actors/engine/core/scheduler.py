@@ -25,11 +25,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
-from spur.actors.engine.outputs import EngineCoreOutput, SchedulerStats
-from spur.actors.engine.request import Request, RequestStatus
-from spur.actors.engine.request_queue import make_queue
-from spur.actors.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig, KVCacheManager
+from spur.actors.engine.core.outputs import EngineCoreOutput, SchedulerStats
+from spur.actors.engine.core.request import Request, RequestStatus
+from spur.actors.engine.core.request_queue import make_queue
+from spur.actors.engine.core.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
 from spur.actors.step import (
     CachedRequestData,
     Logprobs,
