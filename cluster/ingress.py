@@ -36,8 +36,9 @@ from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
 from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
 from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.step import Logprobs
+from spur.cluster import api_requests as rq
+from spur.cluster import api_responses as rs
 from spur.cluster import metrics as M
-from spur.cluster import protocol as P
 from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard
 from spur.cluster.errors import (
     ProtocolError,
@@ -81,7 +82,9 @@ def _openapi() -> dict[str, Any]:
     doc = here._OPENAPI.get(served)
     if doc is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(P.request_schemas(served))
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(
+            rq.request_schemas(served)
+        )
         here._OPENAPI.clear()
         here._OPENAPI[served] = doc
     return doc
@@ -269,7 +272,7 @@ class Ingress:
         self._ensure_monitor()
         if self.draining is not None:
             raise shutting_down(self.draining)
-        name = P.resolve_model(model, self.served)
+        name = rq.resolve_model(model, self.served)
         lane = self.lanes[self.model_to_lane[name]]
         if lane.tokenizer is None:
             # Cold start: hold the request until an engine of the lane (or its spare)
@@ -360,7 +363,7 @@ class Ingress:
             return list(lane.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return list(prompt)
 
-    async def _chat_ids(self, lane: _Lane, req: P.ChatCompletionRequest) -> list[int]:
+    async def _chat_ids(self, lane: _Lane, req: rq.ChatCompletionRequest) -> list[int]:
         try:
             return list(
                 await self._off_loop(
@@ -590,11 +593,11 @@ class Ingress:
         return open_
 
     # -- OpenAI API ---------------------------------------------------------------------
-    @app.post("/v1/completions", openapi_extra=P.openapi_request_body("/v1/completions"))
+    @app.post("/v1/completions", openapi_extra=rq.openapi_request_body("/v1/completions"))
     async def completions(self, request: Request) -> Response:
         return await self._guard(self._completions(request))
 
-    @app.post("/v1/chat/completions", openapi_extra=P.openapi_request_body("/v1/chat/completions"))
+    @app.post("/v1/chat/completions", openapi_extra=rq.openapi_request_body("/v1/chat/completions"))
     async def chat_completions(self, request: Request) -> Response:
         return await self._guard(self._chat(request))
 
@@ -604,7 +607,7 @@ class Ingress:
         return f"{model}:{value}" if value else None
 
     async def _completions(self, request: Request) -> Response:
-        req = P.parse_request(P.CompletionRequest, await self._body(request))
+        req = rq.parse_request(rq.CompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
         texts = req.prompts()
         if len(texts) > self.max_prompts:
@@ -625,7 +628,7 @@ class Ingress:
         )
 
     async def _chat(self, request: Request) -> Response:
-        req = P.parse_request(P.ChatCompletionRequest, await self._body(request))
+        req = rq.parse_request(rq.ChatCompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
         ids = await self._chat_ids(lane, req)
@@ -648,8 +651,8 @@ class Ingress:
         request: Request | None = None,
     ) -> Response:
         self._ensure_monitor()
-        rid = P.make_id("chatcmpl" if chat else "cmpl")
-        created = P.now()
+        rid = rs.make_id("chatcmpl" if chat else "cmpl")
+        created = rs.now()
         sp = _params_dict(params)
         principal: Principal | None = getattr(request.state, "principal", None) if request else None
         salt = params.extra.get("cache_salt")
@@ -692,7 +695,7 @@ class Ingress:
             await fan.ready()
             token_str = self._token_str(lane) if params.logprobs is not None else None
             if req.stream:
-                stream = P.ChunkStream.for_request(
+                stream = rs.ChunkStream.for_request(
                     req,
                     request_id=rid,
                     model=model,
@@ -714,7 +717,7 @@ class Ingress:
                 if comp.finish_reason == "abort":
                     raise service_unavailable("the request was aborted by the engine")
         if chat:
-            body = P.chat_response(
+            body = rs.chat_response(
                 rid,
                 model,
                 created,
@@ -724,7 +727,7 @@ class Ingress:
                 num_top_logprobs=req.num_top_logprobs,
             )
         else:
-            body = P.completion_response(
+            body = rs.completion_response(
                 rid,
                 model,
                 created,
@@ -735,29 +738,29 @@ class Ingress:
             )
         return JSONResponse(body)
 
-    async def _sse(self, stream: P.ChunkStream, fan: FanOut, release: Any) -> AsyncIterator[bytes]:
+    async def _sse(self, stream: rs.ChunkStream, fan: FanOut, release: Any) -> AsyncIterator[bytes]:
         cached = 0
         try:
             for chunk in stream.start():
-                yield P.sse(chunk)
+                yield rs.sse(chunk)
             try:
                 async for i, item in fan.items():
                     if item["type"] == "delta":
                         delta = _delta(item)
                         for chunk in stream.update(delta, delta.logprobs, prompt_index=i):
-                            yield P.sse(chunk)
+                            yield rs.sse(chunk)
                     elif item["type"] == "final":
                         cached += item.get("num_cached_tokens", 0)
             except Exception as exc:  # the response has started: report it in-stream
                 err = _as_protocol_error(exc)
                 log = logger.exception if err.status >= 500 else logger.warning
                 log("stream %s failed after it started: %s", stream.request_id, err.message)
-                yield P.sse(error_body(err))
-                yield P.sse_done()
+                yield rs.sse(error_body(err))
+                yield rs.sse_done()
                 return
             for chunk in stream.finish(cached):
-                yield P.sse(chunk)
-            yield P.sse_done()
+                yield rs.sse(chunk)
+            yield rs.sse_done()
         finally:
             # A client that went away lands here too: cancel the engine-side
             # generators, which abort the requests and free their blocks.
@@ -776,7 +779,7 @@ class Ingress:
     # -- other endpoints ----------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self) -> Response:
-        return JSONResponse(P.models_response(self.served))
+        return JSONResponse(rs.models_response(self.served))
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -842,7 +845,7 @@ class Ingress:
 
     @app.post(
         "/admin/reset_prefix_cache",
-        openapi_extra=P.openapi_request_body("/admin/reset_prefix_cache", required=False),
+        openapi_extra=rq.openapi_request_body("/admin/reset_prefix_cache", required=False),
     )
     async def admin_reset_prefix_cache(self, request: Request) -> Response:
         """Make engines forget their cached prefixes: body {"lane": name} for one lane,
@@ -851,7 +854,7 @@ class Ingress:
 
         async def work() -> Response:
             body = await self._body(request)
-            req = P.parse_request(P.ResetPrefixCacheRequest, body if body.strip() else {})
+            req = rq.parse_request(rq.ResetPrefixCacheRequest, body if body.strip() else {})
             lane, replica = req.lane, req.replica_id
             if lane is not None and lane not in self.lanes:
                 raise ProtocolError(
@@ -879,10 +882,10 @@ class Ingress:
             out[name] = stats if stats is not None else {"error": "no replica answered"}
         return JSONResponse(out)
 
-    @app.post("/tokenize", openapi_extra=P.openapi_request_body("/tokenize"))
+    @app.post("/tokenize", openapi_extra=rq.openapi_request_body("/tokenize"))
     async def tokenize(self, request: Request) -> Response:
         async def work() -> Response:
-            req = P.parse_request(P.TokenizeRequest, await self._body(request))
+            req = rq.parse_request(rq.TokenizeRequest, await self._body(request))
             _, lane = await self._lane(req.model)
             tok = lane.tokenizer
             if req.is_chat:
@@ -905,14 +908,14 @@ class Ingress:
                     lambda: list(tok(req.prompt, add_special_tokens=special)["input_ids"])
                 )
             strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return JSONResponse(P.tokenize_response(ids, lane.max_model_len, strs))
+            return JSONResponse(rs.tokenize_response(ids, lane.max_model_len, strs))
 
         return await self._guard(work())
 
-    @app.post("/detokenize", openapi_extra=P.openapi_request_body("/detokenize"))
+    @app.post("/detokenize", openapi_extra=rq.openapi_request_body("/detokenize"))
     async def detokenize(self, request: Request) -> Response:
         async def work() -> Response:
-            req = P.parse_request(P.DetokenizeRequest, await self._body(request))
+            req = rq.parse_request(rq.DetokenizeRequest, await self._body(request))
             _, lane = await self._lane(req.model)
             vocab = len(lane.tokenizer)
             bad = [t for t in req.tokens if t >= vocab]
@@ -923,6 +926,6 @@ class Ingress:
                     param="tokens",
                 )
             text = await self._off_loop(lane.tokenizer.decode, req.tokens)
-            return JSONResponse(P.detokenize_response(text))
+            return JSONResponse(rs.detokenize_response(text))
 
         return await self._guard(work())
