@@ -9,7 +9,7 @@ are evicted). Two arms over the same requests:
   prefix, allocate the prefill, 64 x append one token + allocate, free), each
   op timed; requests/s = requests / total bookkeeping time. This is the trace
   on which vLLM 0.33's KVCacheManager does about 1,400 requests/s on this
-  machine class (DESIGN.md section 6).
+  machine class (docs/architecture.md, "Reference figures").
 - scheduler: the same requests through Scheduler + FakeExecutor (no KV
   simulation): whole engine steps, so it adds scheduling and output building.
 

@@ -19,9 +19,9 @@ process):
 
 Throughput is useful generated tokens (sum of requested outputs) per second of
 generation; model loading and a tiny warm-up are outside the timed region. The
-headline is the ratio spur / hf, measured side by side (DESIGN.md section 5:
-absolute times on a shared 2-core machine are noise). In fp32 the two arms'
-token ids are compared as well (greedy fp32 is batch-invariant there).
+headline is the ratio spur / hf, measured side by side (docs/architecture.md,
+"Facts the code relies on": absolute times on a shared 2-core machine are
+noise). In fp32 the two arms' token ids are compared as well (greedy fp32 is batch-invariant there).
 
 This module imports no torch (cluster/ never does): everything that touches
 tensors lives in `spur.actors.worker.hf_reference` and `spur.actors.llm`, imported

@@ -15,10 +15,11 @@ to that many, a new one joining as one finishes). One engine serves both arms
 (`LLM(num_speculative_tokens=k)`; the "off" arm takes its proposer away, so no
 request drafts and every step is an ordinary one); the prefix cache is reset
 before every arm. With `rounds` > 1 the arms alternate (off, on, on, off, ...)
-and each level reports the median of the per-round ratios on / off (DESIGN.md
-section 5: absolute speed on a shared machine is noise; back-to-back ratios are
-not). Tokens/s is generated tokens over the arm's wall time; ITL is the gap
-between a request's steps divided by the tokens that step gave it.
+and each level reports the median of the per-round ratios on / off
+(docs/architecture.md, "Facts the code relies on": absolute speed on a shared
+machine is noise; back-to-back ratios are not). Tokens/s is generated tokens
+over the arm's wall time; ITL is the gap between a request's steps divided by
+the tokens that step gave it.
 
 This module imports no torch (cluster/ never does); `spur.actors.llm` is
 imported inside `run`.

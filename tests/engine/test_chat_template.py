@@ -1,4 +1,4 @@
-"""The one chat-templating function (actors/engine/chat_template.py) on SmolLM2's
+"""The one chat-templating function (actors/engine/shell/chat_template.py) on SmolLM2's
 real tokenizer and template."""
 
 from __future__ import annotations
