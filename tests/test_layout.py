@@ -131,6 +131,35 @@ def test_importing_the_whole_core_loads_no_torch_or_ray():
     assert out == "[]"
 
 
+def test_clusters_pure_modules_load_no_ray():
+    """The API shapes, errors, auth, lanes, failover and routing policy are plain
+    Python (their unit tests run without a cluster); Ray stays in the modules that
+    deploy or call actors (app, ingress, server, routing/index_actor, ...)."""
+    modules = [
+        f"spur.cluster.{name}"
+        for name in (
+            "api_requests",
+            "api_responses",
+            "errors",
+            "auth",
+            "lanes",
+            "failover",
+            "fanout",
+            "readiness",
+            "metrics",
+            "routing.kv_index",
+            "routing.policy",
+        )
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n"
+    )
+    out = subprocess.check_output([sys.executable, "-c", code], text=True).strip()
+    assert out == "[]"
+
+
 def test_cluster_never_imports_torch():
     offenders = [
         str(p.relative_to(ROOT)) for p in (ROOT / "cluster").rglob("*.py") if "torch" in _imports(p)
