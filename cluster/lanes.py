@@ -186,40 +186,45 @@ class LaneMonitor:
         self.metrics_on = metrics_on
         self.draining: str | None = None
         self.on_spare: Counter[str] = Counter()
+        self._pushed = float("-inf")  # loop time of the last metrics push
 
     async def run(self, period_s: float = 0.25) -> None:
-        """Poll the index's health view; move lanes to and from their spare; push
-        this replica's metrics counters every second. Runs until cancelled; a
-        failed poll is logged and retried on the next period."""
-        loop = asyncio.get_running_loop()
-        pushed = 0.0
+        """`poll()` every `period_s` until cancelled."""
         while True:
-            try:
-                draining = await self.index.report_spare_load.remote(
-                    self.ingress_id, {k: v for k, v in self.on_spare.items() if v > 0}
-                )
-                if draining is not None and self.draining is None:
-                    logger.warning("draining: %s", draining)
-                self.draining = draining
-                counts = await self.index.healthy_counts.remote(list(self.lanes))
-                for name, c in counts.items():
-                    self.lanes[name].healthy = c["healthy"]
-                views = {
-                    name: LaneView(c["healthy"], c["waiting"])
-                    for name, c in counts.items()
-                    if name in self.primaries
-                }
-                if self.draining is None:  # replicas leaving on shutdown: no failover
-                    for lane, reason in self.selector.update(views):
-                        self.switched(lane, reason)
-                if self.metrics_on and loop.time() - pushed >= 1.0:
-                    pushed = loop.time()
-                    self.index.push_ingress.remote(
-                        self.ingress_id, M.HTTP.snapshot(), self.lane_states()
-                    )
-            except Exception as exc:
-                logger.warning("lane monitor: %s", exc)
+            await self.poll()
             await asyncio.sleep(period_s)
+
+    async def poll(self) -> None:
+        """One round: read the drain state and the index's health view, move lanes to
+        and from their spare (not while draining: replicas leave on shutdown), and
+        push this ingress's metrics counters when a second has passed since the
+        last push. A failed round is logged, not raised (the next one retries)."""
+        loop = asyncio.get_running_loop()
+        try:
+            draining = await self.index.report_spare_load.remote(
+                self.ingress_id, {k: v for k, v in self.on_spare.items() if v > 0}
+            )
+            if draining is not None and self.draining is None:
+                logger.warning("draining: %s", draining)
+            self.draining = draining
+            counts = await self.index.healthy_counts.remote(list(self.lanes))
+            for name, c in counts.items():
+                self.lanes[name].healthy = c["healthy"]
+            views = {
+                name: LaneView(c["healthy"], c["waiting"])
+                for name, c in counts.items()
+                if name in self.primaries
+            }
+            if self.draining is None:  # replicas leaving on shutdown: no failover
+                for lane, reason in self.selector.update(views):
+                    self.switched(lane, reason)
+            if self.metrics_on and loop.time() - self._pushed >= 1.0:
+                self._pushed = loop.time()
+                self.index.push_ingress.remote(
+                    self.ingress_id, M.HTTP.snapshot(), self.lane_states()
+                )
+        except Exception as exc:
+            logger.warning("lane monitor: %s", exc)
 
     def lane_states(self) -> dict[str, Any]:
         """Per primary lane: its target now, why, and its spare (for /metrics)."""
