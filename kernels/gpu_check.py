@@ -360,8 +360,9 @@ def check_kernels(device: Any, dry: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 2. bandwidth
 
 
-def _time_cuda(fn: Callable[[], Any], iters: int) -> float:
-    """Median seconds of `fn` over `iters` runs (CUDA events), after 3 warm-ups."""
+def _time_cuda(fn: Callable[[], Any], iters: int, reps: int = 10) -> float:
+    """Median seconds of one `fn` (CUDA events around `reps` back-to-back calls, so the
+    host's launch work overlaps the kernels), over `iters` samples after 3 warm-ups."""
     import torch
 
     for _ in range(3):
@@ -370,10 +371,11 @@ def _time_cuda(fn: Callable[[], Any], iters: int) -> float:
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        times.append(a.elapsed_time(b) / 1e3 / reps)
     return sorted(times)[len(times) // 2]
 
 
@@ -465,11 +467,14 @@ def decode_bandwidth(device: Any, dry: bool, peak_tbs: float | None) -> dict[str
 # --------------------------------------------------------------------------- 3. engine
 
 
-def write_random_llama(out: Path, config: dict[str, Any], *, seed: int = 0) -> Path:
+def write_random_llama(
+    out: Path, config: dict[str, Any], *, seed: int = 0, device: Any = "cpu"
+) -> Path:
     """A random-weight Llama checkpoint (config.json + model.safetensors, bf16) in `out`.
 
     Weights are normal with std 0.02 (embeddings 1.0, so logits are not flat), norm
-    weights 1: the model speaks nonsense at the speed of a real one.
+    weights 1: the model speaks nonsense at the speed of a real one. Drawn on
+    `device` (a GPU draws 1.2B numbers in well under a second), saved from the CPU.
     """
     import torch
     from safetensors.torch import save_file
@@ -478,10 +483,11 @@ def write_random_llama(out: Path, config: dict[str, Any], *, seed: int = 0) -> P
     c = config
     h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+        w = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+        return w.mul_(std).cpu()
 
     tensors = {"model.embed_tokens.weight": rnd(c["vocab_size"], h, std=1.0)}
     tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
@@ -517,7 +523,7 @@ def engine_graphs(device: Any, dry: bool, budget_left: Callable[[], float]) -> d
     prompt_len, out_len = (12, 8) if dry else (128, 256)
     tmp = tempfile.mkdtemp(prefix="spur-gpu-check-")
     start = time.perf_counter()
-    path = write_random_llama(Path(tmp) / "llama", config)
+    path = write_random_llama(Path(tmp) / "llama", config, device=device)
     write_s = time.perf_counter() - start
     max_model_len = prompt_len + out_len + 16
     llm = LLM(

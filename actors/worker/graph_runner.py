@@ -108,7 +108,12 @@ class DecodeGraphs:
 
     # -- a step ---------------------------------------------------------------------------
     def load(self, inputs: StepInputs, size: int) -> None:
-        """Write a decode step (padded to `size`) into the host and device buffers."""
+        """Write a decode step (padded to `size`) into the host and device buffers.
+
+        The host-to-device copies are asynchronous (pinned memory): the host buffers
+        must not be rewritten before they are done, which the step's sampling (a
+        host read of tokens computed from these inputs) guarantees before the next
+        `load`."""
         width = fill_padded(self.host, inputs, size)
         self._width = width
         self._max_seq_len = inputs.max_seq_len
