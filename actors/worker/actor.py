@@ -129,21 +129,24 @@ class RayExecutor(Executor):
 
     def _wait(self, refs: list[Any], method: str) -> list[Any]:
         """Results of one call per rank, in rank order; raises `WorkerDied` as soon as
-        one rank fails or a worker process is gone, without waiting for the others."""
+        one rank's actor is dead or a worker process is gone, without waiting for the
+        others (a worker's own exception is re-raised as `ray.get` raises it)."""
         pending = list(refs)
-        while pending:
+        while True:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-            for ref in done:
+            if not pending:
+                try:
+                    return ray.get(refs)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerDied(f"a TP worker died during {method!r}: {exc}") from exc
+            for ref in done:  # rare: a rank finished long before the others
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    rank = refs.index(ref)
                     raise WorkerDied(
-                        f"TP worker rank {rank} died during {method!r}: {exc}"
+                        f"TP worker rank {refs.index(ref)} died during {method!r}: {exc}"
                     ) from exc
-            if pending:
-                self.check_health()
-        return ray.get(refs)
+            self.check_health()
 
     def collective_rpc(
         self,

@@ -7,7 +7,8 @@ a folder of its own), all the tiny model, and a spare that serves all three.
   from the tokens they had), and the server keeps answering.
 - kill -9 of one TP worker actor of the TP=2 replica while 16 streams run: the engine
   notices (it does not hang in the collective), its streams continue on the spare,
-  Serve's health check replaces the replica (new engine, new workers), 0 lost.
+  Serve's health check replaces the replica (new engine, new workers), 0 lost; a
+  worker killed while the lane is idle gets its replica replaced too.
 - the model folder of lane "brittle" disappears and its replica dies: every restart
   fails, the restart-loop detector marks the lane's slot down, `/admin/lanes` names
   the missing folder, traffic goes to the spare, and the server answers throughout.
@@ -79,6 +80,13 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float, srv: Launche
 def worker_actors(srv: Launched) -> list[int]:
     """pids of the server's TP worker actors (only lane "tiny-tp2" has any)."""
     return sorted(p for p, cmd in srv.processes().items() if cmd.startswith("ray::WorkerActor"))
+
+
+def replaced(http: httpx.Client, old_pid: int) -> int | None:
+    """The pid of lane tiny-tp2's engine once it is not `old_pid` (None before)."""
+    r = http.get("/admin/engines")
+    pid = r.json().get("tiny-tp2", {}).get("pid") if r.status_code == 200 else None
+    return int(pid) if pid is not None and int(pid) != old_pid else None
 
 
 async def streams_through(url: str, model: str, kill: Callable[[], None]) -> list[dict[str, Any]]:
@@ -161,16 +169,15 @@ def test_kill_9_of_a_tp_worker_replaces_the_replica_and_loses_no_stream(
         )
         assert results == [{"finish": "length", "tokens": MAX_TOKENS}] * STREAMS, results
 
-        def replaced() -> int | None:
-            r = http.get("/admin/engines")
-            pid = r.json().get("tiny-tp2", {}).get("pid") if r.status_code == 200 else None
-            return pid if pid is not None and int(pid) != old_pid else None
-
-        new_pid = wait_for("new tiny-tp2 engine", replaced, 180, srv)
+        wait_for("new tiny-tp2 engine", lambda: replaced(http, old_pid), 180, srv)
         with pytest.raises(ProcessLookupError):
             os.kill(old_pid, 0)  # the old engine process is gone, not left hanging
-        new_workers = wait_for("two new TP workers", lambda: len(worker_actors(srv)) == 2, 60, srv)
-        assert new_workers and not set(worker_actors(srv)) & set(workers), (workers, new_pid)
+        wait_for(
+            "two new TP workers",
+            lambda: len(new := worker_actors(srv)) == 2 and not set(new) & set(workers),
+            60,
+            srv,
+        )
         # the new replica takes the lane back: its generations come from the primary
         body = {"model": "tiny-tp2", "prompt": "back", "max_tokens": 4}
         r = http.post("/v1/completions", json=body)
@@ -181,6 +188,30 @@ def test_kill_9_of_a_tp_worker_replaces_the_replica_and_loses_no_stream(
             120,
             srv,
         )
+
+
+def test_a_tp_worker_that_dies_while_its_lane_is_idle_gets_the_replica_replaced(
+    spare_server: Launched,
+) -> None:
+    """No request has to find the dead worker first: the replica's health check sees
+    it (its executor checks its workers' processes) and Serve replaces the replica,
+    with new workers, while the lane gets no traffic."""
+    srv = spare_server
+    with httpx.Client(base_url=srv.url, timeout=60.0) as http:
+        wait_for("two TP workers", lambda: len(worker_actors(srv)) == 2, 120, srv)
+        workers = worker_actors(srv)
+        old_pid = int(http.get("/admin/engines").json()["tiny-tp2"]["pid"])
+        os.kill(workers[0], signal.SIGKILL)
+        wait_for("new tiny-tp2 engine", lambda: replaced(http, old_pid), 120, srv)
+        wait_for(
+            "two new TP workers",
+            lambda: len(new := worker_actors(srv)) == 2 and not set(new) & set(workers),
+            60,
+            srv,
+        )
+        body = {"model": "tiny-tp2", "prompt": "idle", "max_tokens": 4}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
 
 
 class Poller:
