@@ -685,5 +685,32 @@ def test_every_lane_and_the_spare_get_their_whole_engine(tmp_path: Path) -> None
     assert d["spare"].init_args[0]["block_size"] == 32
 
 
+def test_spur_generate_takes_a_lanes_engine_and_its_flags(tmp_path: Path) -> None:
+    """`spur generate --config F --lane L`: every engine field of the lane (the same
+    function as the cluster), then the flags given; without --config the schema's."""
+    import yaml
+
+    from spur.cluster.cli import UsageError, _generate_engine_args, build_parser
+
+    path = tmp_path / "two.yaml"
+    lanes = [
+        {"name": "chat"},
+        {"name": "code", "engine": {"scheduler": {"max_num_seqs": 5, "check_kv_bounds": False}}},
+    ]
+    path.write_text(yaml.safe_dump({"lanes": lanes}))
+
+    def flat(*argv: str) -> dict[str, Any]:
+        args = build_parser().parse_args(["generate", "--prompt", "x", *argv])
+        return _generate_engine_args(args)
+
+    cfg = SpurConfig.model_validate({"lanes": lanes})
+    got = flat("--config", str(path), "--lane", "code", "--dtype", "bfloat16")
+    assert got == {**flat_engine_args(cfg.lanes[1].engine), "dtype": "bfloat16"}
+    assert got["max_num_seqs"] == 5 and got["check_kv_bounds"] is False
+    assert flat("--model", "m") == {"model": "m"}  # the rest: the schema's defaults
+    with pytest.raises(UsageError, match="no lane is named 'nope'"):
+        flat("--config", str(path), "--lane", "nope")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
