@@ -103,14 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     cap = sub.add_parser("capacity", help="how many requests the KV pool holds (JSON with --json)")
     cap.add_argument("--model", required=True, help="model folder, config.json, or geometry YAML")
-    cap.add_argument("--block-size", type=_positive, default=16)
+    cap.add_argument(
+        "--block-size",
+        type=_positive,
+        default=_engine_default("cache", "block_size"),
+        help="tokens per KV block (default: the engine's, cache.block_size)",
+    )
     size = cap.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="pool size in blocks (null included)")
     size.add_argument("--kv-bytes", type=_positive, help="pool size in bytes (default 4 GiB)")
     cap.add_argument("--kv-dtype", default="bfloat16", help="float32 | bfloat16 | float16 | fp8")
     cap.add_argument(
         "--state-dtype",
-        default=_default_state_dtype(),
+        default=_engine_default("cache", "state_dtype"),
         help="dtype of state layers (default: the engine's, cache.state_dtype)",
     )
     cap.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
@@ -477,11 +482,13 @@ def _generate_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     return flat
 
 
-def _default_state_dtype() -> str:
-    """cache.state_dtype's default: `spur capacity` sizes states as the engine stores them."""
-    from spur.configs.schema import CacheConfig
+def _engine_default(section: str, name: str) -> Any:
+    """The schema's default of engine.<section>.<name> (one source for every setting):
+    `spur capacity` sizes a pool as the engine would."""
+    from spur.configs.schema import EngineConfig
 
-    return str(CacheConfig.model_fields["state_dtype"].default)
+    section_model = EngineConfig.model_fields[section].annotation
+    return section_model.model_fields[name].default  # type: ignore[union-attr]
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
