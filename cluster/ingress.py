@@ -312,11 +312,14 @@ class Ingress:
         own = stats or spare_stats
         assert own is not None
         lane.max_model_len = int(own["max_model_len"])
+        # The engine's tokenizer (engine.model.tokenizer, else its model folder).
+        tok_dir = own.get("tokenizer_dir") or own["model_dir"]
         async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
-            lane.tokenizer = await asyncio.to_thread(_load_tokenizer, own["model_dir"])
-        if spare and stats and spare_stats and spare_stats["model_dir"] != stats["model_dir"]:
+            lane.tokenizer = await asyncio.to_thread(_load_tokenizer, tok_dir)
+        spare_tok = (spare_stats or {}).get("tokenizer_dir") or (spare_stats or {}).get("model_dir")
+        if spare and stats and spare_stats and spare_tok != tok_dir:
             async with _TOKENIZER_LOCK:
-                other = await asyncio.to_thread(_load_tokenizer, spare_stats["model_dir"])
+                other = await asyncio.to_thread(_load_tokenizer, spare_tok)
             if other.get_vocab() != lane.tokenizer.get_vocab():
                 self.selector.disable_spare(
                     lane.name,

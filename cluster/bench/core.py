@@ -130,6 +130,9 @@ def run_scheduler_arm(
             max_num_batched_tokens=batch * prompt_len,
             max_num_seqs=batch,
             max_model_len=prompt_len + decode + 1,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
         ),
         kv_config,
     )

@@ -43,6 +43,7 @@ def make_engine(
             max_model_len=max_model_len,
             policy=policy,
             long_prefill_token_threshold=threshold,
+            check_kv_bounds=True,
         ),
         kv_config,
         enable_kv_events=kv_events,

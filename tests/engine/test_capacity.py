@@ -138,7 +138,14 @@ def _run_hybrid(num_blocks: int = 2000) -> tuple[Scheduler, list[int], list[int]
     groups, _ = cap.build_groups(geo)
     kv_config = KVCacheConfig(block_size=800, num_blocks=num_blocks, groups=groups)
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=4, max_model_len=131072),
+        SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=4,
+            max_model_len=131072,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
+        ),
         kv_config,
     )
     fake = FakeExecutor(kv_config, simulate_kv=False)

@@ -81,7 +81,15 @@ def test_state_group_models_refuse_speculation():
     kv = KVCacheConfig(block_size=4, num_blocks=64, groups=(FULL, STATE))
     with pytest.raises(ValueError, match=r"cannot be rolled back.*unset engine.speculative"):
         Scheduler(
-            SchedulerConfig(max_model_len=64, speculative=SpeculativeConfig(K)),
+            SchedulerConfig(
+                max_num_batched_tokens=2048,
+                max_num_seqs=16,
+                max_model_len=64,
+                long_prefill_token_threshold=0,
+                policy="fcfs",
+                check_kv_bounds=True,
+                speculative=SpeculativeConfig(K),
+            ),
             kv,
         )
 
@@ -108,6 +116,9 @@ def make(
             max_num_batched_tokens=budget,
             max_num_seqs=16,
             max_model_len=max_len,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
             speculative=SpeculativeConfig(K, prompt_lookup_min=1, prompt_lookup_max=3)
             if spec
             else None,

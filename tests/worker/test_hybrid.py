@@ -295,7 +295,17 @@ def test_prefill_stops_at_its_last_block_boundary(caching):
         KVCacheGroup(StateSpec(64), 1),
     )
     kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups, enable_prefix_caching=caching)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_model_len=256), kv)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=512,
+            max_num_seqs=16,
+            max_model_len=256,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
+        ),
+        kv,
+    )
     executor = FakeExecutor(kv)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     sched.add_request(sched.make_request("a", list(range(100)), params))

@@ -388,7 +388,14 @@ def simulate_request(
     kv_config = KVCacheConfig(block_size=block_size, num_blocks=num_blocks, groups=groups)
     total = prompt_tokens + decode_tokens
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, max_model_len=total + 1),
+        SchedulerConfig(
+            max_num_batched_tokens=chunk,
+            max_num_seqs=1,
+            max_model_len=total + 1,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
+        ),
         kv_config,
     )
     # The fake checks every cached read; for very long prompts that is most
