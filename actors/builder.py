@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
 from spur.actors.engine.core.engine_core import EngineCore
@@ -21,10 +21,15 @@ from spur.actors.engine.shell.metrics import break_retirement
 from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
-from spur.configs.engine_args import engine_config, flat_engine_args
-from spur.configs.schema import EngineConfig
+
+if TYPE_CHECKING:
+    from spur.configs.schema import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+DEFAULTS_JSON = "engine_defaults.json"
+"""Beside `spur.configs.engine_args`: the schema's flat defaults, generated from it
+(`python -m spur.configs.engine_args --write`), for `EngineArgs.of` without pydantic."""
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,44 @@ class EngineArgs:
     @classmethod
     def from_config(cls, engine: EngineConfig) -> EngineArgs:
         """The args of one engine config (every field, by `flat_engine_args`)."""
+        from spur.configs.engine_args import flat_engine_args
+
         return cls(**flat_engine_args(engine))
 
     @classmethod
     def of(cls, **flat: Any) -> EngineArgs:
         """The args of flat keywords (`LLM(...)`'s); the others take the schema's
-        defaults. Raises ValueError for an unknown keyword or an invalid value."""
+        defaults. Raises ValueError for an unknown keyword or an invalid value.
+
+        Where pydantic is not installed (a bare GPU machine running
+        `kernels/gpu_check.py`), the defaults come from the schema's generated flat
+        snapshot (`configs/engine_defaults.json`) and the values are not validated
+        (logged)."""
+        try:
+            from spur.configs.engine_args import engine_config
+        except ImportError as exc:
+            if "pydantic" not in str(exc):
+                raise
+            return cls._of_snapshot(flat)
         return cls.from_config(engine_config(**flat))
+
+    @classmethod
+    def _of_snapshot(cls, flat: dict[str, Any]) -> EngineArgs:
+        import importlib.util
+        import json
+
+        spec = importlib.util.find_spec("spur.configs")
+        assert spec is not None and spec.submodule_search_locations
+        path = Path(next(iter(spec.submodule_search_locations))) / DEFAULTS_JSON
+        defaults = json.loads(path.read_text())
+        unknown = sorted(set(flat) - set(defaults))
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {', '.join(unknown)}: valid ones are "
+                f"{', '.join(sorted(defaults))}"
+            )
+        logger.warning("pydantic is not installed: engine arguments are not validated")
+        return cls(**{**defaults, **flat})
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The engine core's scheduler settings (`max_model_len` resolved at load time)."""
