@@ -53,6 +53,10 @@ class EngineArgs:
     """n-gram speculative decoding: most drafts per request and step (0: off)."""
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs at start (CUDA only; ignored on CPU)."""
+    cuda_graph_batch_sizes: list[int] | None = None
+    """Decode batch sizes to capture; None: 1, 2, 4, multiples of 8 up to max_num_seqs."""
 
     def speculative(self) -> SpeculativeConfig | None:
         """The scheduler's speculation settings, or None when it is off."""
@@ -78,6 +82,8 @@ class EngineArgs:
             num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             state_dtype=self.state_dtype,
+            cuda_graphs=self.cuda_graphs,
+            cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes or ()) or None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +151,10 @@ def build_engine(
             kv_config,
             enable_kv_events=enable_kv_events,
         )
+        if args.cuda_graphs and args.device.startswith("cuda"):
+            executor.collective_rpc("capture_decode_graphs", (max_model_len, args.max_num_seqs))
+        elif args.cuda_graphs:
+            logger.info("CUDA graphs: ignored on %s", args.device)
     except BaseException:
         executor.shutdown()
         raise

@@ -61,6 +61,8 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
         "seed": engine.runtime.seed,
         "num_threads": engine.runtime.num_threads,
         "state_dtype": engine.cache.state_dtype,
+        "cuda_graphs": engine.runtime.cuda_graphs,
+        "cuda_graph_batch_sizes": engine.runtime.cuda_graph_batch_sizes,
         **(
             {"test_leak_blocks_per_step": engine.runtime.test_leak_blocks_per_step}
             if engine.runtime.test_leak_blocks_per_step

@@ -364,9 +364,13 @@ class EngineReplica:
         await self._engine().reset_prefix_cache()
 
     async def check_health(self) -> None:
-        """Called by Serve; raising marks the replica unhealthy (restarted)."""
+        """Called by Serve; raising marks the replica unhealthy (restarted): the engine
+        thread failed, or a TP worker of its executor is gone (`RayExecutor`)."""
         if self.engine is not None and not self.engine.alive:
             raise EngineDeadError(self.engine.dead_message)
+        check = getattr(self.built.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # already gone at interpreter exit
