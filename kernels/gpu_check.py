@@ -231,7 +231,8 @@ def _check_store(dtype: Any, cache: str, device: Any, tokens: int, seed: int) ->
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "store_kv bits differ"
 
 
-def _check_gdn(dtype: Any, device: Any, dry: bool, atol: float) -> None:
+def _check_gdn(dtype: Any, device: Any, dry: bool, atol: float) -> float:
+    """Conv and delta-rule kernels vs reference; returns the delta rule's max abs diff."""
     import torch
 
     from spur.kernels.gdn_conv_triton import causal_conv1d_varlen_triton
@@ -278,6 +279,7 @@ def _check_gdn(dtype: Any, device: Any, dry: bool, atol: float) -> None:
     got = gated_delta_rule_varlen_triton(q, k, v, g, beta, pool, meta, chunk_size=chunk)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
     torch.testing.assert_close(pool, want_pool, atol=atol, rtol=atol)
+    return float((got.float() - want.float()).abs().max())
 
 
 def check_kernels(device: Any, dry: bool) -> dict[str, Any]:
@@ -338,8 +340,10 @@ def check_kernels(device: Any, dry: bool) -> dict[str, Any]:
         if cache == "same" or not dry:  # the interpreter rounds fp32 -> e4m3 wrongly on ties
             run(f"store_kv-{label}", lambda a=args: _check_store(a[0], a[1], device, 37, 4))
     for label, dtype, atol in (
-        ("fp32", torch.float32, 1e-4),
-        ("fp16", torch.float16, 5e-3),
+        # On the GPU the sequences are long (up to 1,024 tokens in chunks of 64): the
+        # chunked forms' rounding grows with them, hence the looser fp32 / fp16 bounds.
+        ("fp32", torch.float32, 1e-4 if dry else 1e-3),
+        ("fp16", torch.float16, 5e-3 if dry else 1e-2),
         ("bf16", torch.bfloat16, 3e-2),
     ):
         if dry and dtype == torch.bfloat16:
