@@ -10,54 +10,135 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spur.actors.engine.capacity import build_groups
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
-from spur.actors.engine.hashing import DEFAULT_HASH_SEED
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
-from spur.actors.engine.spec_decode import SpeculativeConfig
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.spec_decode import SpeculativeConfig
+from spur.actors.engine.shell.metrics import break_retirement
+from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
 
+if TYPE_CHECKING:
+    from spur.configs.schema import EngineConfig
+
 logger = logging.getLogger(__name__)
+
+DEFAULTS_JSON = "engine_defaults.json"
+"""Beside `spur.configs.engine_args`: the schema's flat defaults, generated from it
+(`python -m spur.configs.engine_args --write`), for `EngineArgs.of` without pydantic."""
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything that shapes one engine. See `LLM` for the meaning of each."""
+    """Everything that shapes one engine: the flat view of one
+    `spur.configs.schema.EngineConfig` (`spur.configs.engine_args`), so every field's
+    meaning, default and bounds are the schema's. No defaults here: build it with
+    `from_config` (a config tree) or `of` (flat keywords, as `LLM(...)` takes), never
+    field by field, so that a setting cannot be forgotten on the way to the engine
+    (a schema field without a field here fails `from_config` with a TypeError)."""
 
-    model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
-    device: str = "cpu"
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    hash_seed: str = DEFAULT_HASH_SEED
-    policy: str = "fcfs"
-    attn_backend: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    state_dtype: str = "float32"
-    num_speculative_tokens: int = 0
+    # model
+    model: str
+    dtype: str
+    max_model_len: int | None
+    tokenizer: str | None
+    # cache
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_bytes: int | None
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    hash_seed: str
+    state_dtype: str
+    # scheduler
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    long_prefill_token_threshold: int
+    policy: str
+    check_kv_bounds: bool
+    # parallelism
+    tensor_parallel_size: int
+    device: str
+    """"cpu" or "cuda" ("auto" is resolved by `spur.configs.engine_args.resolve_device`)."""
+    # runtime
+    attn_backend: str
+    seed: int
+    num_threads: int | None
+    test_leak_blocks_per_step: int
+    """TESTS ONLY: see `RuntimeConfig.test_leak_blocks_per_step` (0: a correct engine)."""
+    # speculative
+    method: str
+    num_speculative_tokens: int
     """n-gram speculative decoding: most drafts per request and step (0: off)."""
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    cuda_graphs: bool = True
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    cuda_graphs: bool
     """Capture decode steps as CUDA graphs at start (CUDA only; ignored on CPU)."""
-    cuda_graph_batch_sizes: list[int] | None = None
+    cuda_graph_batch_sizes: list[int] | None
     """Decode batch sizes to capture; None: 1, 2, 4, multiples of 8 up to max_num_seqs."""
+
+    @classmethod
+    def from_config(cls, engine: EngineConfig) -> EngineArgs:
+        """The args of one engine config (every field, by `flat_engine_args`)."""
+        from spur.configs.engine_args import flat_engine_args
+
+        return cls(**flat_engine_args(engine))
+
+    @classmethod
+    def of(cls, **flat: Any) -> EngineArgs:
+        """The args of flat keywords (`LLM(...)`'s); the others take the schema's
+        defaults. Raises ValueError for an unknown keyword or an invalid value.
+
+        Where pydantic is not installed (a bare GPU machine running
+        `kernels/gpu_check.py`), the defaults come from the schema's generated flat
+        snapshot (`configs/engine_defaults.json`) and the values are not validated
+        (logged)."""
+        try:
+            from spur.configs.engine_args import engine_config
+        except ImportError as exc:
+            if "pydantic" not in str(exc):
+                raise
+            return cls._of_snapshot(flat)
+        return cls.from_config(engine_config(**flat))
+
+    @classmethod
+    def _of_snapshot(cls, flat: dict[str, Any]) -> EngineArgs:
+        import importlib.util
+        import json
+
+        spec = importlib.util.find_spec("spur.configs")
+        assert spec is not None and spec.submodule_search_locations
+        path = Path(next(iter(spec.submodule_search_locations))) / DEFAULTS_JSON
+        defaults = json.loads(path.read_text())
+        unknown = sorted(set(flat) - set(defaults))
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {', '.join(unknown)}: valid ones are "
+                f"{', '.join(sorted(defaults))}"
+            )
+        logger.warning("pydantic is not installed: engine arguments are not validated")
+        return cls(**{**defaults, **flat})
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The engine core's scheduler settings (`max_model_len` resolved at load time)."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.policy,
+            check_kv_bounds=self.check_kv_bounds,
+            speculative=self.speculative(),
+        )
+
+    def tokenizer_dir(self, model_dir: str) -> str:
+        """The tokenizer folder: `tokenizer` when set, else the loaded model's folder."""
+        return self.tokenizer or model_dir
 
     def speculative(self) -> SpeculativeConfig | None:
         """The scheduler's speculation settings, or None when it is off."""
@@ -67,6 +148,7 @@ class EngineArgs:
             num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min,
             prompt_lookup_max=self.prompt_lookup_max,
+            method=self.method,
         )
 
     def worker_config(self) -> WorkerConfig:
@@ -141,21 +223,15 @@ def build_engine(
                 longest_request(groups, num_blocks, args.block_size, args.max_num_batched_tokens),
             )
         scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=max_model_len,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                policy=args.policy,
-                speculative=args.speculative(),
-            ),
-            kv_config,
-            enable_kv_events=enable_kv_events,
+            args.scheduler_config(max_model_len), kv_config, enable_kv_events=enable_kv_events
         )
         if args.cuda_graphs and args.device.startswith("cuda"):
             executor.collective_rpc("capture_decode_graphs", (max_model_len, args.max_num_seqs))
         elif args.cuda_graphs:
             logger.info("CUDA graphs: ignored on %s", args.device)
+        if args.test_leak_blocks_per_step:
+            # Tests only (build_app refuses it outside tests): a broken retirement.
+            break_retirement(scheduler.kv, args.test_leak_blocks_per_step)
     except BaseException:
         executor.shutdown()
         raise
@@ -171,7 +247,7 @@ def build_engine(
 
 def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:
     """The engine's cache groups: for a hybrid model those of its geometry, built by
-    the same function (`capacity.build_groups`) as the worker's pool layout and as
+    the same function (`cache_spec.build_groups`) as the worker's pool layout and as
     `spur capacity`; else one full-attention group."""
     if info.geometry is not None:
         return build_groups(info.geometry)[0]

@@ -13,12 +13,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
-from spur.actors.engine.chat_template import chat_token_ids
-from spur.actors.engine.output_processor import Delta, OutputProcessor
-from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.request import RequestStatus
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import check_token_ids
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.request import RequestStatus
+from spur.actors.engine.core.scheduler import check_token_ids
+from spur.actors.engine.shell.chat_template import chat_token_ids
+from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
+from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +28,25 @@ Prompt = str | list[int]
 class LLM:
     """A whole engine in one process. Not thread-safe.
 
-    Keyword arguments are those of `spur.actors.builder.EngineArgs`:
+    Keyword arguments are the engine settings of the config file, flattened: each
+    field of `engine.*` (`spur.configs.schema.EngineConfig`) under its own name
+    (`model` for model.path; `num_speculative_tokens` > 0 turns speculation on), with
+    the schema's defaults and bounds (`spur.configs.engine_args`). For example:
         model: Hugging Face folder, .gguf file, or "SmolLM2-135M-Instruct".
         dtype: float32 | bfloat16 | float16 | auto.
+        tokenizer: tokenizer folder (default: the model folder's).
         tensor_parallel_size: worker processes (gloo on CPU, NCCL on CUDA).
-        num_kv_blocks / kv_cache_bytes: size of the KV pool (blocks win);
+        num_kv_blocks / kv_cache_bytes: size of the KV pool (set at most one);
             default: 2 GiB on CPU, gpu_memory_utilization on CUDA.
         max_model_len: default the model's max_position_embeddings, capped to
             what one request can hold in the pool.
+    Raises ValueError for an unknown keyword or a value the schema refuses.
     """
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
-        self.args = EngineArgs(model=model, **kwargs)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.args = EngineArgs.of(**kwargs)
         built = build_engine(self.args)
         self.engine = built.core
         self.scheduler = built.scheduler
@@ -52,9 +59,10 @@ class LLM:
     # -- tokenizer ----------------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
-        """The model folder's tokenizer, or None when it has none (token ids only)."""
+        """The tokenizer (`tokenizer`, else the model folder's), or None when there is
+        none (token ids only)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.info.model_dir) or False
+            self._tokenizer = load_tokenizer(self.args.tokenizer_dir(self.info.model_dir)) or False
         return self._tokenizer or None
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -17,10 +17,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from spur.actors.engine.actor import EngineReplica
+from spur.actors.engine.shell.actor import EngineReplica
 from spur.cluster.autoscaling import POLICY_IMPORT_PATH, target_metrics
 from spur.cluster.ingress import Ingress
 from spur.cluster.routing.index_actor import index_kwargs_of
+from spur.configs.engine_args import flat_engine_args
 from spur.configs.loader import config_to_dict
 from spur.configs.schema import (
     AutoscalingConfig,
@@ -38,46 +39,10 @@ returned) before Serve would kill it."""
 
 
 def engine_args(engine: EngineConfig) -> dict[str, Any]:
-    """The flat EngineArgs (spur.actors.builder) of one engine config."""
-    device = engine.parallelism.device
-    return {
-        "model": engine.model.path,
-        "dtype": engine.model.dtype,
-        "device": "cpu" if device == "auto" else device,
-        "tensor_parallel_size": engine.parallelism.tensor_parallel_size,
-        "block_size": engine.cache.block_size,
-        "num_kv_blocks": engine.cache.num_kv_blocks,
-        "kv_cache_bytes": engine.cache.kv_cache_bytes,
-        "kv_cache_dtype": engine.cache.kv_cache_dtype,
-        "gpu_memory_utilization": engine.cache.gpu_memory_utilization,
-        "max_model_len": engine.model.max_model_len,
-        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-        "max_num_seqs": engine.scheduler.max_num_seqs,
-        "long_prefill_token_threshold": engine.scheduler.long_prefill_token_threshold,
-        "enable_prefix_caching": engine.cache.enable_prefix_caching,
-        "hash_seed": engine.cache.hash_seed,
-        "policy": engine.scheduler.policy,
-        "attn_backend": engine.runtime.attn_backend,
-        "seed": engine.runtime.seed,
-        "num_threads": engine.runtime.num_threads,
-        "state_dtype": engine.cache.state_dtype,
-        "cuda_graphs": engine.runtime.cuda_graphs,
-        "cuda_graph_batch_sizes": engine.runtime.cuda_graph_batch_sizes,
-        **(
-            {"test_leak_blocks_per_step": engine.runtime.test_leak_blocks_per_step}
-            if engine.runtime.test_leak_blocks_per_step
-            else {}
-        ),
-        **(
-            {
-                "num_speculative_tokens": engine.speculative.num_speculative_tokens,
-                "prompt_lookup_min": engine.speculative.prompt_lookup_min,
-                "prompt_lookup_max": engine.speculative.prompt_lookup_max,
-            }
-            if engine.speculative is not None
-            else {}
-        ),
-    }
+    """The flat EngineArgs (spur.actors.builder) of one engine config: every field of
+    the engine's schema, by `spur.configs.engine_args.flat_engine_args` (no field can
+    be left out on the way)."""
+    return flat_engine_args(engine)
 
 
 def deployment_name(lane: str) -> str:

@@ -68,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal")
-    gen.add_argument("--model", default="SmolLM2-135M-Instruct", help="folder, .gguf or demo name")
+    gen.add_argument(
+        "--model", default=None, help="folder, .gguf or demo name (default: engine.model.path)"
+    )
+    gen.add_argument(
+        "--config",
+        default=None,
+        help="take the engine settings of a lane of this config file (flags override them)",
+    )
+    gen.add_argument("--lane", default=None, help="the lane of --config (default: the first)")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-tokens", type=_positive, default=128)
@@ -83,19 +91,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    gen.add_argument("--tensor-parallel-size", type=_positive, default=1)
+    gen.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: engine.model.dtype)"
+    )
+    gen.add_argument(
+        "--tensor-parallel-size",
+        type=_positive,
+        default=None,
+        help="default: engine.parallelism.tensor_parallel_size",
+    )
 
     cap = sub.add_parser("capacity", help="how many requests the KV pool holds (JSON with --json)")
     cap.add_argument("--model", required=True, help="model folder, config.json, or geometry YAML")
-    cap.add_argument("--block-size", type=_positive, default=16)
+    cap.add_argument(
+        "--block-size",
+        type=_positive,
+        default=_engine_default("cache", "block_size"),
+        help="tokens per KV block (default: the engine's, cache.block_size)",
+    )
     size = cap.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="pool size in blocks (null included)")
     size.add_argument("--kv-bytes", type=_positive, help="pool size in bytes (default 4 GiB)")
     cap.add_argument("--kv-dtype", default="bfloat16", help="float32 | bfloat16 | float16 | fp8")
     cap.add_argument(
         "--state-dtype",
-        default=_default_state_dtype(),
+        default=_engine_default("cache", "state_dtype"),
         help="dtype of state layers (default: the engine's, cache.state_dtype)",
     )
     cap.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
@@ -396,7 +416,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.step import SamplingParams
 
     try:
         params = SamplingParams(
@@ -419,7 +439,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from spur.actors.worker.loader import ModelLoadError
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+        llm = LLM(**_generate_engine_args(args))
     except (ModelLoadError, ValueError) as e:
         raise UsageError(str(e)) from None
     try:
@@ -449,18 +469,41 @@ def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None
         raise UsageError(f"'{words[0]}' given twice; usage: {usage}")
 
 
-def _default_state_dtype() -> str:
-    """cache.state_dtype's default: `spur capacity` sizes states as the engine stores them."""
-    from spur.configs.schema import CacheConfig
+def _generate_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`spur generate`'s engine: the schema's defaults, or the settings of a lane of
+    `--config` (every engine field), then the flags that were given."""
+    flat: dict[str, Any] = {}
+    if args.config:
+        from spur.configs.engine_args import flat_engine_args
 
-    return str(CacheConfig.model_fields["state_dtype"].default)
+        cfg = _load(args.config)
+        try:
+            lane = cfg.lane(args.lane) if args.lane else cfg.lanes[0]
+        except KeyError as e:
+            raise UsageError(str(e.args[0])) from None
+        flat = flat_engine_args(lane.engine)
+    elif args.lane:
+        raise UsageError("--lane needs --config: the lane of which config file?")
+    flags = {"model": args.model, "dtype": args.dtype}
+    flags["tensor_parallel_size"] = args.tensor_parallel_size
+    flat.update({k: v for k, v in flags.items() if v is not None})
+    return flat
+
+
+def _engine_default(section: str, name: str) -> Any:
+    """The schema's default of engine.<section>.<name> (one source for every setting):
+    `spur capacity` sizes a pool as the engine would."""
+    from spur.configs.schema import EngineConfig
+
+    section_model = EngineConfig.model_fields[section].annotation
+    return section_model.model_fields[name].default  # type: ignore[union-attr]
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     import json as _json
     from pathlib import Path
 
-    from spur.actors.engine import capacity as cap
+    from spur.actors.engine.core import capacity as cap
 
     try:
         geometry = cap.load_geometry(

@@ -43,7 +43,7 @@ from pydantic import (
     model_validator,
 )
 
-from spur.actors.engine.hashing import DEFAULT_HASH_SEED
+from spur.configs.defaults import DEFAULT_HASH_SEED
 
 # --------------------------------------------------------------------------------------
 # Shared value types

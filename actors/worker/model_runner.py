@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from spur.actors.engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from spur.actors.step import Logprobs, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.cache_layout import (
     CacheLayout,
     HybridMetadata,

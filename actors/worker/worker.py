@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spur.actors.engine.capacity import ModelGeometry
-from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.cache_spec import ModelGeometry
+from spur.actors.step import ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.loader import load_model
 from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
 
@@ -67,7 +67,7 @@ class ModelInfo:
     model_dir: str
     geometry: ModelGeometry | None = None
     """Layer kinds and page sizes (this rank) of a hybrid model, whose cache groups the
-    engine builds with `capacity.build_groups`; None for plain attention models."""
+    engine builds with `cache_spec.build_groups`; None for plain attention models."""
 
 
 class Worker:

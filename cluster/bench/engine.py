@@ -19,9 +19,9 @@ process):
 
 Throughput is useful generated tokens (sum of requested outputs) per second of
 generation; model loading and a tiny warm-up are outside the timed region. The
-headline is the ratio spur / hf, measured side by side (DESIGN.md section 5:
-absolute times on a shared 2-core machine are noise). In fp32 the two arms'
-token ids are compared as well (greedy fp32 is batch-invariant there).
+headline is the ratio spur / hf, measured side by side (docs/architecture.md,
+"Facts the code relies on": absolute times on a shared 2-core machine are
+noise). In fp32 the two arms' token ids are compared as well (greedy fp32 is batch-invariant there).
 
 This module imports no torch (cluster/ never does): everything that touches
 tensors lives in `spur.actors.worker.hf_reference` and `spur.actors.llm`, imported
@@ -170,18 +170,12 @@ def run_spur_arm(
     shutting down: `matmul_s` is what the run would take if attention, norms,
     sampling and scheduling cost nothing.
     """
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
     from spur.actors.worker.hf_reference import PeakRss
 
-    kwargs: dict[str, Any] = {
-        "max_num_seqs": 64,
-        "max_num_batched_tokens": 2048,
-        "block_size": 16,
-        "enable_prefix_caching": True,
-        "seed": seed,
-        **llm_kwargs,
-    }
+    # The engine settings are the schema's (engine.* of a config file) but for these.
+    kwargs: dict[str, Any] = {"seed": seed, **llm_kwargs}
     with PeakRss() as whole:
         t0 = time.perf_counter()
         llm = LLM(model=model, dtype=dtype, **kwargs)
@@ -259,8 +253,8 @@ def prefix_hit_speedup(
     so a hit starts from the longest such point inside the shared prefix.)"""
     import statistics
 
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
     from spur.actors.worker.loader import load_config, resolve_model_dir
 
     vocab = int(load_config(resolve_model_dir(model)).get_text_config().vocab_size)
@@ -273,8 +267,6 @@ def prefix_hit_speedup(
     llm = LLM(
         model=model,
         dtype=dtype,
-        max_num_batched_tokens=2048,
-        block_size=16,
         max_model_len=prefix_tokens + 64,
         seed=seed,
     )
@@ -370,8 +362,8 @@ def run(
             for a CI test well under a minute.
         arms: which of "spur" and "hf" to run ("hf" alone works without `spur.actors.llm`).
         hf_batch_size: static batch size of the hf arm (16; 4 with `quick`).
-        llm_kwargs: extra keyword arguments for `LLM(...)` (override the defaults
-            max_num_seqs=64, max_num_batched_tokens=2048, block_size=16).
+        llm_kwargs: extra keyword arguments for `LLM(...)` (override the schema's
+            engine defaults: spur.configs.schema.EngineConfig, flattened).
         matmul_floor: also time the spur run's matmuls alone (see `run_spur_arm`)
             and report `matmul_ceiling_ratio`: the ratio spur would reach if only
             its matmuls cost time. Adds about a third of the spur arm's time.

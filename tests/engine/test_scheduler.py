@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.outputs import ModelRunnerOutput
-from spur.actors.engine.request import RequestStatus
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.request import RequestStatus
+from spur.actors.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from spur.actors.step import ModelRunnerOutput, SamplingParams
 
 from .helpers import FULL, SLIDING, STATE, assert_all_free, make_engine, prompts, run_all
 
@@ -117,7 +116,14 @@ def test_rejects_prompts_that_can_never_run():
         add(sched, "a", list(range(64)))
     with pytest.raises(ValueError, match="needs 64"):
         Scheduler(
-            SchedulerConfig(max_model_len=256),
+            SchedulerConfig(
+                max_num_batched_tokens=2048,
+                max_num_seqs=16,
+                max_model_len=256,
+                long_prefill_token_threshold=0,
+                policy="fcfs",
+                check_kv_bounds=True,
+            ),
             KVCacheConfig(block_size=4, num_blocks=10),
         )
     add(sched, "ok", list(range(10)))

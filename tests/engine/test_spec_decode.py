@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.groups import cdiv
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
-from spur.actors.engine.spec_decode import (
+from spur.actors.cache_spec import cdiv
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.fake_executor import FakeExecutor
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.spec_decode import (
     NgramIndex,
     NgramProposer,
     SpeculativeConfig,
     accepted_prefix,
     can_draft,
 )
+from spur.actors.step import SamplingParams
 from tests.engine.helpers import FULL, SLIDING, STATE, assert_all_free
 
 K = 4
@@ -81,7 +81,15 @@ def test_state_group_models_refuse_speculation():
     kv = KVCacheConfig(block_size=4, num_blocks=64, groups=(FULL, STATE))
     with pytest.raises(ValueError, match=r"cannot be rolled back.*unset engine.speculative"):
         Scheduler(
-            SchedulerConfig(max_model_len=64, speculative=SpeculativeConfig(K)),
+            SchedulerConfig(
+                max_num_batched_tokens=2048,
+                max_num_seqs=16,
+                max_model_len=64,
+                long_prefill_token_threshold=0,
+                policy="fcfs",
+                check_kv_bounds=True,
+                speculative=SpeculativeConfig(K),
+            ),
             kv,
         )
 
@@ -108,6 +116,9 @@ def make(
             max_num_batched_tokens=budget,
             max_num_seqs=16,
             max_model_len=max_len,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
             speculative=SpeculativeConfig(K, prompt_lookup_min=1, prompt_lookup_max=3)
             if spec
             else None,
@@ -196,7 +207,7 @@ def test_step_stats_count_each_verify_step_once():
 def test_metrics_count_drafts_and_render_under_vllms_names():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from spur.actors.engine.metrics import EngineMetrics
+    from spur.actors.engine.shell.metrics import EngineMetrics
     from spur.cluster.metrics import MetricsStore, render
     from spur.configs.loader import config_to_dict, parse_config
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.llm import LLM
+from spur.actors.step import SamplingParams
 from spur.actors.worker.random_models import build_random_model
 
 MODELS = ("qwen3_5-test", "qwen3_next-test")
@@ -285,17 +285,27 @@ def test_prefill_stops_at_its_last_block_boundary(caching):
     """With state groups (and prefix caching), a prompt of 100 tokens in blocks of
     16 prefills 96 tokens, then the 4-token tail: the state after 96 tokens is
     kept and cacheable. Without caching there is nothing to keep: one chunk."""
-    from spur.actors.engine.executor import FakeExecutor
-    from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup, StateSpec
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+    from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
+    from spur.actors.engine.core.fake_executor import FakeExecutor
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 
     groups = (
         KVCacheGroup(FullAttentionSpec(1, 1, 2), 1),
         KVCacheGroup(StateSpec(64), 1),
     )
     kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups, enable_prefix_caching=caching)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_model_len=256), kv)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=512,
+            max_num_seqs=16,
+            max_model_len=256,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
+        ),
+        kv,
+    )
     executor = FakeExecutor(kv)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     sched.add_request(sched.make_request("a", list(range(100)), params))

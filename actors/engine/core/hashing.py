@@ -27,10 +27,10 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from spur.configs.defaults import DEFAULT_HASH_SEED
+
 BlockHash = bytes
 """32-byte SHA-256 digest of one full block and its whole prefix."""
-
-DEFAULT_HASH_SEED = "spur-kv-v1"
 
 _sha256 = hashlib.sha256
 # Token ids go in as little-endian uint32; array('I') is native-endian, so swap

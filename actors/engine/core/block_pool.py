@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from spur.actors.engine.hashing import BlockHash
+from spur.actors.engine.core.hashing import BlockHash
 
 
 class IntegrityError(AssertionError):

@@ -24,14 +24,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spur.actors.engine.block_pool import AllBlocksCleared, BlockStored, KVEvent
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.metrics import EngineMetrics
-from spur.actors.engine.output_processor import Delta, OutputProcessor
-from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.request import RequestStatus
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import check_token_ids
+from spur.actors.engine.core.block_pool import AllBlocksCleared, BlockStored, KVEvent
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.request import RequestStatus
+from spur.actors.engine.core.scheduler import check_token_ids
+from spur.actors.engine.shell.metrics import EngineMetrics
+from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
+from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
 

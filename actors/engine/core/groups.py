@@ -23,78 +23,9 @@ run-time leak detector both use it, so the claim and the check cannot disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from spur.actors.engine.block_pool import BlockPool, KVCacheBlock
-from spur.actors.engine.hashing import BlockHash
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# -- specs: the geometry of one group's layers ---------------------------------------
-@dataclass(frozen=True)
-class FullAttentionSpec:
-    """Attention over the whole sequence; K and V per token per layer."""
-
-    num_kv_heads: int
-    head_size: int
-    dtype_bytes: int
-
-    kind = "full"
-
-    def page_bytes(self, block_size: int) -> int:
-        """Bytes of one block of one layer: K and V for block_size tokens."""
-        return 2 * block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
-
-    def max_blocks(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        """Blocks a request of `num_tokens` slots holds: ceil(num_tokens / bs)."""
-        return cdiv(num_tokens, block_size)
-
-
-@dataclass(frozen=True)
-class SlidingWindowSpec(FullAttentionSpec):
-    """Attention over the last `sliding_window` tokens only."""
-
-    sliding_window: int = 4096
-
-    kind = "sliding"
-
-    def max_blocks(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        """A chunk of n new tokens needs the W - 1 tokens before it too:
-        min(ceil(L / bs), ceil((W - 1 + n) / bs) + 1), with n = max_chunk."""
-        window = cdiv(self.sliding_window - 1 + max_chunk, block_size) + 1
-        return min(cdiv(num_tokens, block_size), window)
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """Mamba / linear-attention layers: a fixed-size state per request and layer
-    (conv state + recurrent state), not growing with the sequence."""
-
-    state_bytes: int
-    """Bytes of one layer's state (all its tensors), before padding."""
-
-    kind = "state"
-
-    def page_bytes(self, block_size: int) -> int:
-        return self.state_bytes
-
-    def max_blocks(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        """The state being read and the one being written: min(ceil(L / bs), 2)."""
-        return min(cdiv(num_tokens, block_size), 2)
-
-
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | StateSpec
-
-
-@dataclass(frozen=True)
-class KVCacheGroup:
-    """A set of layers that share block ids (one table per request)."""
-
-    spec: KVCacheSpec
-    num_layers: int
+from spur.actors.cache_spec import KVCacheSpec, SlidingWindowSpec, StateSpec, cdiv
+from spur.actors.engine.core.block_pool import BlockPool, KVCacheBlock
+from spur.actors.engine.core.hashing import BlockHash
 
 
 # -- managers: per-request tables of one group ---------------------------------------

@@ -1,15 +1,30 @@
-"""Sampling parameters of one request: pure data, validated on construction.
+"""The step contract: what crosses between the engine core and the workers.
 
-The engine core reads only the fields that decide when a request ends
-(`max_tokens`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `n`); the worker's
-sampler reads the rest. Stop *strings* are matched on detokenized text, outside
-the core, which then finishes the request through `Scheduler.finish_requests`.
+    schedule()          -> SchedulerOutput      what to compute this step
+    execute_model(out)  -> ModelRunnerOutput    what was sampled
+    update_from_output  -> per-request outputs  (engine side: `engine/core/outputs.py`)
+
+The engine (`actors/engine/`) builds `SchedulerOutput`s and reads
+`ModelRunnerOutput`s; the workers (`actors/worker/`) do the opposite, behind the
+`Executor` interface. Both import this module and neither imports the other.
+`SamplingParams` travels inside `NewRequestData`: the core reads the fields that
+decide when a request ends, the worker's sampler the rest.
+
+A worker keeps per-request state between steps, so SchedulerOutput sends a
+request in full once (when it is first scheduled, or resumed after preemption)
+and afterwards only what changed.
+
+Pure data and an abstract class: this module imports only the standard library.
 """
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+# -- sampling parameters -----------------------------------------------------------------
 _GREEDY_EPS = 1e-5
 
 
@@ -130,3 +145,110 @@ class SamplingParams:
     def with_changes(self, **changes: object) -> SamplingParams:
         """A validated copy with some fields replaced (for example n=1 for forks)."""
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+# -- scheduler output / model-runner output ----------------------------------------------
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or dropped at preemption): all of it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens already generated (non-empty only when resuming after preemption);
+    # the worker recomputes their KV from `num_computed_tokens`.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Per KV-cache group, the request's whole block table (0 = null block).
+    block_ids: list[list[int]]
+    # Tokens whose KV is already in the cache (prefix hit); compute from here.
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds, as parallel lists (one entry each)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Tokens appended since the request was last scheduled (sampled outputs).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request, per group: block ids appended to the table this step
+    # (None when nothing was appended in any group).
+    new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Per request, per group: the length to cut the block table to BEFORE appending
+    # `new_block_ids` (blocks of rejected draft tokens went back to the pool); None
+    # when nothing was cut. Empty when no request was cut (the common case).
+    block_table_lengths: list[list[int] | None] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Token counts are per request; their sum is the batch."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (prefill chunk, 1 for decode, ...).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> draft tokens to verify this step (speculative decoding).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that ended since the last step: the worker drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: the worker drops their state;
+    # they come back later as new requests.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # (src, dst) block copies to apply to every layer's cache BEFORE the
+    # forward (copy-on-write of a forked request's partly filled block).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of one sampled token: its own and the top-N."""
+
+    sampled: float
+    top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker computed. Every scheduled request has an entry; a
+    request in the middle of its prefill gets an empty list (no token)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[Logprobs]] | None = None
+
+
+# -- the executor interface ----------------------------------------------------------------
+class Executor(abc.ABC):
+    """Runs one step's model work for an engine."""
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled tokens; sample for requests that completed
+        their scheduled context. Must handle an empty schedule (state updates
+        only: finished / preempted ids)."""
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call `method` on every worker; returns one result per worker."""
+        fn = getattr(self, method) if isinstance(method, str) else method
+        return [fn(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        """Release workers and devices (idempotent)."""
+        return None

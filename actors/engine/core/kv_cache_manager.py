@@ -14,16 +14,12 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from spur.actors.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
-from spur.actors.engine.groups import (
-    FullAttentionSpec,
-    GroupManager,
-    KVCacheGroup,
-    StateSpec,
-    make_manager,
-)
-from spur.actors.engine.hashing import DEFAULT_HASH_SEED, BlockHasher
-from spur.actors.engine.request import Request
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
+from spur.actors.engine.core.block_pool import BlockPool, KVCacheBlock, KVEvent
+from spur.actors.engine.core.groups import GroupManager, make_manager
+from spur.actors.engine.core.hashing import BlockHasher
+from spur.actors.engine.core.request import Request
+from spur.configs.defaults import DEFAULT_HASH_SEED
 
 logger = logging.getLogger(__name__)
 

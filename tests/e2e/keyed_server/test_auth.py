@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.conftest import KEYS, KeyedServer
+from e2e.keyed_server.conftest import KEYS, KeyedServer
 
 pytestmark = pytest.mark.slow
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -25,20 +25,19 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
-from spur.actors.engine.outputs import (
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig, KVCacheManager
+from spur.actors.engine.core.outputs import EngineCoreOutput, SchedulerStats
+from spur.actors.engine.core.request import Request, RequestStatus
+from spur.actors.engine.core.request_queue import make_queue
+from spur.actors.engine.core.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
+from spur.actors.step import (
     CachedRequestData,
-    EngineCoreOutput,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    SamplingParams,
     SchedulerOutput,
-    SchedulerStats,
 )
-from spur.actors.engine.request import Request, RequestStatus
-from spur.actors.engine.request_queue import make_queue
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,24 +59,27 @@ def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one engine's steps."""
+    """Limits of one engine's steps. The settings have no defaults here: their one
+    source is `spur.configs.schema.SchedulerConfig` (names, defaults, bounds, docs),
+    mapped by `spur.actors.builder.EngineArgs.scheduler_config`; tests and
+    simulations state every value."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int
     """Token budget of one step (all requests together)."""
-    max_num_seqs: int = 128
+    max_num_seqs: int
     """Most requests running at once."""
-    max_model_len: int = 4096
-    """Most tokens (prompt + output) in one request."""
-    long_prefill_token_threshold: int = 0
+    max_model_len: int
+    """Most tokens (prompt + output) in one request (resolved when the model loads)."""
+    long_prefill_token_threshold: int
     """Most tokens one request gets in a step when prefilling (0 = no cap)."""
-    policy: str = "fcfs"
+    policy: str
     """'fcfs' or 'priority' (lower `priority` value runs first)."""
-    num_lookahead_tokens: int = 0
-    """Extra slots allocated per step for draft tokens (speculative decoding)."""
-    check_kv_bounds: bool = True
+    check_kv_bounds: bool
     """Run the leak detector on every scheduled request every step."""
     speculative: SpeculativeConfig | None = None
     """n-gram speculative decoding (None: off). See `spec_decode.py`."""
+    num_lookahead_tokens: int = 0
+    """Extra slots allocated per step for draft tokens (speculative decoding)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

@@ -34,55 +34,20 @@ from typing import Any
 
 import yaml
 
-from spur.actors.engine.groups import (
+from spur.actors.cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
+    LayerKind,
+    ModelGeometry,
     SlidingWindowSpec,
     StateSpec,
+    build_groups,
+    dtype_bytes,
 )
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
 
 logger = logging.getLogger(__name__)
-
-DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "float8_e4m3fn": 1,
-}
-
-
-def dtype_bytes(name: str) -> int:
-    try:
-        return DTYPE_BYTES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(set(DTYPE_BYTES))}") from None
-
-
-@dataclass(frozen=True)
-class LayerKind:
-    """All layers of one kind in a model: how many, and one layer's spec."""
-
-    name: str  # "full_attention" | "sliding_attention" | "state"
-    count: int
-    spec: KVCacheSpec
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    name: str
-    kinds: tuple[LayerKind, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return sum(k.count for k in self.kinds)
 
 
 # -- geometry from a Hugging Face config.json or a small YAML -----------------------------
@@ -300,22 +265,6 @@ class CapacityReport:
         return asdict(self)
 
 
-def build_groups(geometry: ModelGeometry) -> tuple[tuple[KVCacheGroup, ...], int]:
-    """Split each layer kind into groups of `group_size` layers (the smallest
-    kind count), attention kinds first. Returns the groups and group_size."""
-    group_size = min(k.count for k in geometry.kinds)
-    groups = []
-    # Attention groups first: group 0 is the one routers match prefixes on.
-    rank = {"full": 0, "sliding": 1, "state": 2}
-    for kind in sorted(geometry.kinds, key=lambda k: rank[k.spec.kind]):
-        left = kind.count
-        while left > 0:
-            n = min(group_size, left)
-            groups.append(KVCacheGroup(kind.spec, n))
-            left -= n
-    return tuple(groups), group_size
-
-
 def capacity(
     geometry: ModelGeometry,
     *,
@@ -432,14 +381,21 @@ def simulate_request(
     its full length."""
     import random
 
-    from spur.actors.engine.executor import FakeExecutor
-    from spur.actors.engine.sampling_params import SamplingParams
-    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+    from spur.actors.engine.core.fake_executor import FakeExecutor
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+    from spur.actors.step import SamplingParams
 
     kv_config = KVCacheConfig(block_size=block_size, num_blocks=num_blocks, groups=groups)
     total = prompt_tokens + decode_tokens
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, max_model_len=total + 1),
+        SchedulerConfig(
+            max_num_batched_tokens=chunk,
+            max_num_seqs=1,
+            max_model_len=total + 1,
+            long_prefill_token_threshold=0,
+            policy="fcfs",
+            check_kv_bounds=True,
+        ),
         kv_config,
     )
     # The fake checks every cached read; for very long prompts that is most

@@ -10,10 +10,10 @@ everything below it is behind the executor.
 
 from __future__ import annotations
 
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.outputs import EngineCoreOutput, SchedulerStats
-from spur.actors.engine.request import Request
-from spur.actors.engine.scheduler import Scheduler
+from spur.actors.engine.core.outputs import EngineCoreOutput, SchedulerStats
+from spur.actors.engine.core.request import Request
+from spur.actors.engine.core.scheduler import Scheduler
+from spur.actors.step import Executor
 
 
 class EngineCore:

@@ -12,13 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spur.actors.engine.outputs import (
-    CompletionOutput,
-    EngineCoreOutput,
-    Logprobs,
-    RequestOutput,
-)
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from spur.actors.step import Logprobs, SamplingParams
 
 
 @dataclass
@@ -71,7 +66,7 @@ class OutputProcessor:
             if self.tokenizer is None:
                 detoks.append(None)
                 continue
-            from spur.actors.engine.detokenizer import IncrementalDetokenizer
+            from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer
 
             detoks.append(
                 IncrementalDetokenizer(

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
-from spur.actors.engine.metrics import EngineMetrics, break_retirement, engine_info
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.sampling_params import SamplingParams, SamplingParamsError
-from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.scheduler import RequestRejected
+from spur.actors.engine.shell.async_engine import AsyncEngine, EngineDeadError
+from spur.actors.engine.shell.metrics import EngineMetrics, engine_info
+from spur.actors.engine.shell.output_processor import Delta
+from spur.actors.step import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ class Draining(Exception):
 
 
 class EngineReplica:
-    """One engine. `engine_args` are `spur.actors.builder.EngineArgs` fields;
+    """One engine. `engine_args` are flat engine settings (`EngineArgs.of`: the
+    schema's defaults for those left out);
     `routing` (optional) connects it to the deployment's KV index:
     {"index_kwargs": {...}, "stats_period_s": float, "events_period_s": float};
     `options` (optional): {"drain_timeout_s": float, "autoscaling_targets": {...}}
@@ -62,10 +63,6 @@ class EngineReplica:
 
         self.lane = lane
         self.routing = routing
-        engine_args = dict(engine_args)
-        # Tests only (engine.runtime.test_leak_blocks_per_step; build_app refuses it
-        # outside tests): a deliberately broken retirement, for the leak metrics.
-        test_leak = int(engine_args.pop("test_leak_blocks_per_step", 0) or 0)
         self.metrics_on = bool((routing or {}).get("metrics", True))
         options = options or {}
         self.drain_timeout_s = float(options.get("drain_timeout_s", 30.0))
@@ -93,7 +90,7 @@ class EngineReplica:
             with contextlib.suppress(Exception):  # outside Serve (tests): keep the default
                 self.replica_id = serve.get_replica_context().replica_id.unique_id
         try:
-            self.args = EngineArgs(**engine_args)
+            self.args = EngineArgs.of(**engine_args)
             factory = None
             if self.args.tensor_parallel_size > 1:
                 from spur.actors.worker.actor import RayExecutor
@@ -105,9 +102,7 @@ class EngineReplica:
                 kwargs["executor_factory"] = factory
             built = _in_own_thread(lambda: build_engine(self.args, **kwargs))
             self.built = built
-            if test_leak:
-                break_retirement(built.scheduler.kv, test_leak)
-            self.tokenizer = load_tokenizer(built.info.model_dir)
+            self.tokenizer = load_tokenizer(self.args.tokenizer_dir(built.info.model_dir))
         except BaseException as exc:
             if self.index is not None:  # counted: a restart loop marks this node down
                 import ray
@@ -335,6 +330,7 @@ class EngineReplica:
             "node": self.node,
             "max_model_len": self.built.scheduler.config.max_model_len,
             "model_dir": self.built.info.model_dir,
+            "tokenizer_dir": self.args.tokenizer_dir(self.built.info.model_dir),
             **engine.stats(),
         }
 
@@ -364,9 +360,13 @@ class EngineReplica:
         await self._engine().reset_prefix_cache()
 
     async def check_health(self) -> None:
-        """Called by Serve; raising marks the replica unhealthy (restarted)."""
+        """Called by Serve; raising marks the replica unhealthy (restarted): the engine
+        thread failed, or a TP worker of its executor is gone (`RayExecutor`)."""
         if self.engine is not None and not self.engine.alive:
             raise EngineDeadError(self.engine.dead_message)
+        check = getattr(self.built.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # already gone at interpreter exit

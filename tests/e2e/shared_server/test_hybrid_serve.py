@@ -35,8 +35,8 @@ def test_served_text_equals_offline_and_repeats_hit_the_cache(
 ) -> None:
     import torch
 
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
 
     spur_server.require_lane("hybrid")
     prompt = "The quick brown fox jumps over the lazy dog. " * 8  # > 4 blocks of 16

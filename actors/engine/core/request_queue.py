@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from spur.actors.engine.request import Request
+from spur.actors.engine.core.request import Request
 
 
 class FCFSQueue:

@@ -1,6 +1,6 @@
-"""The executor interface, and a fake executor that stands in for the model.
+"""A fake executor that stands in for the model.
 
-`Executor` hides topology (one in-process worker, worker subprocesses, Ray
+`Executor` (in `spur.actors.step`) hides topology (one in-process worker, worker subprocesses, Ray
 worker actors) behind `execute_model` and `collective_rpc`.
 
 `FakeExecutor` is a worker without a model, for tests and the core benchmark.
@@ -17,14 +17,12 @@ a bad copy-on-write also changes the generated text.
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from spur.actors.engine.groups import SlidingWindowSpec, StateSpec, cdiv
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.cache_spec import SlidingWindowSpec, StateSpec, cdiv
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 
 _MOD = (1 << 61) - 1
 
@@ -32,30 +30,6 @@ _MOD = (1 << 61) - 1
 def roll(h: int, token: int) -> int:
     """The fake model's state update (a polynomial rolling hash)."""
     return (h * 1_000_003 + token + 1) % _MOD
-
-
-class Executor(abc.ABC):
-    """Runs one step's model work for an engine."""
-
-    @abc.abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the scheduled tokens; sample for requests that completed
-        their scheduled context. Must handle an empty schedule (state updates
-        only: finished / preempted ids)."""
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """Call `method` on every worker; returns one result per worker."""
-        fn = getattr(self, method) if isinstance(method, str) else method
-        return [fn(*args, **(kwargs or {}))]
-
-    def shutdown(self) -> None:
-        """Release workers and devices (idempotent)."""
-        return None
 
 
 class KVCorruption(AssertionError):

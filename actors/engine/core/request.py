@@ -17,8 +17,8 @@ import enum
 import time
 from collections.abc import Sequence
 
-from spur.actors.engine.hashing import BlockHash, BlockHasher, MultiModalSpan
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.engine.core.hashing import BlockHash, BlockHasher, MultiModalSpan
+from spur.actors.step import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from e2e.conftest import KEYS, KeyedServer
+from e2e.keyed_server.conftest import KEYS, KeyedServer
 
 pytestmark = pytest.mark.slow
 

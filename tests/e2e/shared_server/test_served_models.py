@@ -26,8 +26,8 @@ def greedy(client: Any, model: str, prompt: str, max_tokens: int = 16) -> Any:
 def test_completions_equal_offline_llm_generate(openai_client: Any, spur_server: Any) -> None:
     import torch
 
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
 
     served = [greedy(openai_client, "tiny", p) for p in PROMPTS]
     torch.set_num_threads(1)
