@@ -4,11 +4,11 @@
     python3 kernels/gpu_check.py --dry-run                                      # CPU, tiny
     spur bench gpu [--dry-run]                                  # the same, from the CLI
 
-It needs torch, triton, transformers (config parsing), safetensors and numpy,
-and pydantic for the engine section (the engine's settings are the config
-schema's): no Ray, no network, no install (it makes `spur.*` importable from the
-checkout it lives in). The kernels and the model runner import without pydantic.
-Logs go to stderr, the summary to stdout (and --out).
+It needs torch, triton, transformers (config parsing), safetensors and numpy:
+no Ray, no pydantic (`EngineArgs.of` reads the schema's defaults from
+configs/engine_defaults.json then), no network, no install (it makes `spur.*`
+importable from the checkout it lives in). Logs go to stderr, the summary to
+stdout (and --out).
 
 Sections, each timed and recorded (`ok`, `error` with its traceback); a failure
 in one does not stop the others:
@@ -517,22 +517,11 @@ def write_random_llama(
 
 
 def engine_graphs(device: Any, dry: bool, budget_left: Callable[[], float]) -> dict[str, Any]:
-    """Tokens/s of the engine with decode graphs off and on, at several batch sizes.
-
-    The engine's settings are validated by the config schema (pydantic): a machine
-    without pydantic gets an ImportError naming the fix (carry its wheels)."""
+    """Tokens/s of the engine with decode graphs off and on, at several batch sizes."""
     import random
 
     from spur import SamplingParams
-
-    try:
-        from spur.actors.llm import LLM
-    except ImportError as exc:
-        raise ImportError(
-            f"the engine cannot be imported here ({exc}): its settings go through "
-            "spur.configs.schema (pydantic); carry pydantic's wheels to this machine "
-            "(BENCHMARKS.md, 'The GPU path') or --skip engine"
-        ) from exc
+    from spur.actors.llm import LLM
 
     config = LLAMA_TINY if dry else LLAMA_1B
     dtype = "float32" if dry else "bfloat16"
