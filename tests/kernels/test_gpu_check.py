@@ -1,4 +1,4 @@
-"""The GPU check script (kernels/gpu_check.py) runs where a device machine runs it.
+"""The GPU check script (actors/gpu_check.py) runs where a device machine runs it.
 
 That machine has torch, Triton and transformers but no Ray, no pydantic and no
 install of spur. The dry run is the same script end to end on CPU with tiny
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from spur.actors import gpu_check
 from spur.cluster.bench import gpu as gpu_bench
-from spur.kernels import gpu_check
 
-SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "actors" / "gpu_check.py"
 
 # Block some imports, hide the editable install's finder, import the runner's modules,
 # then run the script as __main__ with the given arguments.
@@ -57,7 +57,7 @@ def _dry_run(tmp_path: Path, blocked: list[str], *args: str) -> tuple[dict, str]
     summary = json.loads(proc.stdout)  # stdout holds the JSON summary and nothing else
     assert summary == json.loads(out.read_text())
     assert "spur from the checkout" in proc.stderr
-    assert f"FROM={SCRIPT.parent / '__init__.py'}" in proc.stderr
+    assert f"FROM={SCRIPT.parents[1] / 'kernels' / '__init__.py'}" in proc.stderr
     assert summary["ok"] and summary["dry_run"]
     return summary, proc.stderr
 

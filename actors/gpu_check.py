@@ -1,7 +1,7 @@
 """The GPU check: one script a CUDA machine runs as it is, with a JSON summary on stdout.
 
-    python3 kernels/gpu_check.py [--out FILE] [--budget-s 420] [--skip engine]   # one GPU
-    python3 kernels/gpu_check.py --dry-run                                      # CPU, tiny
+    python3 actors/gpu_check.py [--out FILE] [--budget-s 420] [--skip engine]   # one GPU
+    python3 actors/gpu_check.py --dry-run                                      # CPU, tiny
     spur bench gpu [--dry-run]                                  # the same, from the CLI
 
 It needs torch, triton, transformers (config parsing), safetensors and numpy:
@@ -87,7 +87,7 @@ def bootstrap() -> str:
     """Make `spur.*` this checkout's code, installed or not; returns how ("installed"
     or "checkout").
 
-    When the importable `spur.kernels` is not this checkout's (nothing installed, as
+    When the importable `spur.actors` is not this checkout's (nothing installed, as
     on a device machine, or another copy), the checkout's `spur/__init__.py` is
     loaded as `spur` with the checkout's root among its package folders, so
     `spur.kernels` is `<root>/kernels` and so on. The root itself never goes on
@@ -96,7 +96,7 @@ def bootstrap() -> str:
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     try:
-        spec = importlib.util.find_spec("spur.kernels")
+        spec = importlib.util.find_spec("spur.actors")
     except (ImportError, ValueError):
         spec = None
     if spec is not None and spec.origin and Path(spec.origin).resolve().parent == Path(here):
