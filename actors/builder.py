@@ -95,7 +95,7 @@ class EngineArgs:
         defaults. Raises ValueError for an unknown keyword or an invalid value.
 
         Where pydantic is not installed (a bare GPU machine running
-        `kernels/gpu_check.py`), the defaults come from the schema's generated flat
+        `actors/gpu_check.py`), the defaults come from the schema's generated flat
         snapshot (`configs/engine_defaults.json`) and the values are not validated
         (logged)."""
         try:

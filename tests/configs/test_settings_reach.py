@@ -211,6 +211,16 @@ PROJECTED: dict[str, tuple[Any, str, Callable[[Any], tuple[Any, Any]]]] = {
         lambda w: (w.tensor_parallel_size, 2),
     ),
     "engine.parallelism.device": ("cuda", "no GPU here", lambda w: (w.device, "cuda")),
+    "engine.runtime.cuda_graphs": (
+        False,
+        "captured on CUDA only (tests/worker/test_cuda_graphs.py)",
+        lambda w: (w.cuda_graphs, False),
+    ),
+    "engine.runtime.cuda_graph_batch_sizes": (
+        [1, 8],
+        "captured on CUDA only (tests/worker/test_cuda_graphs.py)",
+        lambda w: (w.cuda_graph_batch_sizes, (1, 8)),
+    ),
 }
 """Engine fields whose effect needs hardware or processes this test does not start:
 checked in the `WorkerConfig` the executor would get."""
