@@ -125,7 +125,7 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     "engine.model.max_model_len": (96, lambda b: (_sched(b).config.max_model_len, 96)),
     "engine.model.tokenizer": (
         None,  # the tokenizer folder
-        lambda b: (len(b.replica.tokenizer), 64),
+        lambda b: (b.replica.tokenizer and len(b.replica.tokenizer), 64),
     ),
     # cache
     "engine.cache.block_size": (
@@ -296,7 +296,7 @@ def built(tiny: Any) -> Any:
             tiny=tiny,
             engine=engine,
             replica=replica,
-            llm_encoded=llm.encode("w3 w4"),
+            llm=llm,
             llm_num_blocks=llm.scheduler.kv.pool.num_blocks,
             llm_expected_blocks=ENGINE["engine.cache.kv_cache_bytes"][0]
             // llm.info.kv_bytes_per_block,
@@ -332,7 +332,8 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     from spur.cluster.ingress import Ingress, _Lane
 
     assert load_tokenizer(str(tiny.model)) is None  # the model folder has none
-    assert built.llm_encoded == [5, 6]
+    assert built.llm.tokenizer is not None, "LLM(tokenizer=...) loaded no tokenizer"
+    assert built.llm.encode("w3 w4") == [5, 6]
 
     async def ingress_lane() -> Any:
         stats = await built.replica.stats()
