@@ -10,22 +10,26 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spur.actors.engine.capacity import build_groups
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.metrics import break_retirement
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
-from spur.actors.engine.spec_decode import SpeculativeConfig
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.spec_decode import SpeculativeConfig
+from spur.actors.engine.shell.metrics import break_retirement
+from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
-from spur.configs.engine_args import engine_config, flat_engine_args
-from spur.configs.schema import EngineConfig
+
+if TYPE_CHECKING:
+    from spur.configs.schema import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+DEFAULTS_JSON = "engine_defaults.json"
+"""Beside `spur.configs.engine_args`: the schema's flat defaults, generated from it
+(`python -m spur.configs.engine_args --write`), for `EngineArgs.of` without pydantic."""
 
 
 @dataclass(frozen=True)
@@ -73,17 +77,52 @@ class EngineArgs:
     """n-gram speculative decoding: most drafts per request and step (0: off)."""
     prompt_lookup_min: int
     prompt_lookup_max: int
+    cuda_graphs: bool
+    """Capture decode steps as CUDA graphs at start (CUDA only; ignored on CPU)."""
+    cuda_graph_batch_sizes: list[int] | None
+    """Decode batch sizes to capture; None: 1, 2, 4, multiples of 8 up to max_num_seqs."""
 
     @classmethod
     def from_config(cls, engine: EngineConfig) -> EngineArgs:
         """The args of one engine config (every field, by `flat_engine_args`)."""
+        from spur.configs.engine_args import flat_engine_args
+
         return cls(**flat_engine_args(engine))
 
     @classmethod
     def of(cls, **flat: Any) -> EngineArgs:
         """The args of flat keywords (`LLM(...)`'s); the others take the schema's
-        defaults. Raises ValueError for an unknown keyword or an invalid value."""
+        defaults. Raises ValueError for an unknown keyword or an invalid value.
+
+        Where pydantic is not installed (a bare GPU machine running
+        `kernels/gpu_check.py`), the defaults come from the schema's generated flat
+        snapshot (`configs/engine_defaults.json`) and the values are not validated
+        (logged)."""
+        try:
+            from spur.configs.engine_args import engine_config
+        except ImportError as exc:
+            if "pydantic" not in str(exc):
+                raise
+            return cls._of_snapshot(flat)
         return cls.from_config(engine_config(**flat))
+
+    @classmethod
+    def _of_snapshot(cls, flat: dict[str, Any]) -> EngineArgs:
+        import importlib.util
+        import json
+
+        spec = importlib.util.find_spec("spur.configs")
+        assert spec is not None and spec.submodule_search_locations
+        path = Path(next(iter(spec.submodule_search_locations))) / DEFAULTS_JSON
+        defaults = json.loads(path.read_text())
+        unknown = sorted(set(flat) - set(defaults))
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {', '.join(unknown)}: valid ones are "
+                f"{', '.join(sorted(defaults))}"
+            )
+        logger.warning("pydantic is not installed: engine arguments are not validated")
+        return cls(**{**defaults, **flat})
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The engine core's scheduler settings (`max_model_len` resolved at load time)."""
@@ -126,6 +165,8 @@ class EngineArgs:
             num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             state_dtype=self.state_dtype,
+            cuda_graphs=self.cuda_graphs,
+            cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes or ()) or None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +225,10 @@ def build_engine(
         scheduler = Scheduler(
             args.scheduler_config(max_model_len), kv_config, enable_kv_events=enable_kv_events
         )
+        if args.cuda_graphs and args.device.startswith("cuda"):
+            executor.collective_rpc("capture_decode_graphs", (max_model_len, args.max_num_seqs))
+        elif args.cuda_graphs:
+            logger.info("CUDA graphs: ignored on %s", args.device)
         if args.test_leak_blocks_per_step:
             # Tests only (build_app refuses it outside tests): a broken retirement.
             break_retirement(scheduler.kv, args.test_leak_blocks_per_step)
@@ -202,7 +247,7 @@ def build_engine(
 
 def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:
     """The engine's cache groups: for a hybrid model those of its geometry, built by
-    the same function (`capacity.build_groups`) as the worker's pool layout and as
+    the same function (`cache_spec.build_groups`) as the worker's pool layout and as
     `spur capacity`; else one full-attention group."""
     if info.geometry is not None:
         return build_groups(info.geometry)[0]

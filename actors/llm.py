@@ -13,12 +13,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
-from spur.actors.engine.chat_template import chat_token_ids
-from spur.actors.engine.output_processor import Delta, OutputProcessor
-from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.request import RequestStatus
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import check_token_ids
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.request import RequestStatus
+from spur.actors.engine.core.scheduler import check_token_ids
+from spur.actors.engine.shell.chat_template import chat_token_ids
+from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
+from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from spur.actors.engine.actor import EngineReplica
+from spur.actors.engine.shell.actor import EngineReplica
 from spur.cluster.autoscaling import POLICY_IMPORT_PATH, target_metrics
 from spur.cluster.ingress import Ingress
 from spur.cluster.routing.index_actor import index_kwargs_of

@@ -19,7 +19,7 @@ Routes, once at least one key exists (with none, everything stays open):
     everything else (/v1/*, /tokenize, /detokenize, ...)    a non-admin key
 
 A key's `tenant` (default: the key's name) scopes its prefix-cache entries: see
-`spur.actors.engine.hashing.tenant_salt`.
+`spur.actors.engine.core.hashing.tenant_salt`.
 """
 
 from __future__ import annotations

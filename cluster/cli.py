@@ -4,7 +4,7 @@
     spur config show CONFIG | spur config diff CONFIG --url URL
     spur generate --model PATH_OR_NAME --prompt TEXT [--chat] [sampling flags]
     spur capacity --model DIR_OR_CONFIG [--block-size N] [--num-blocks N | --kv-bytes N] ...
-    spur bench core|engine|serve|routing|autoscale|spec [--json]
+    spur bench core|engine|serve|routing|autoscale|spec|gpu [--json]
     spur dashboards export DIR | spur dashboards push --grafana-url URL [--token T] ...
     spur top --url URL [--once] [--admin-key KEY]
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
-BENCHES = ("core", "engine", "routing", "serve", "autoscale", "spec")
+BENCHES = ("core", "engine", "routing", "serve", "autoscale", "spec", "gpu")
 
 
 class UsageError(Exception):
@@ -235,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--num-threads", type=_positive, default=None, help="torch threads")
     spec.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
     spec.add_argument("--json", action="store_true")
+    gpu = bench_sub.add_parser(
+        "gpu", help="Triton kernels, decode HBM bandwidth, CUDA graphs (kernels/gpu_check.py)"
+    )
+    gpu.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (no GPU needed)")
+    gpu.add_argument("--skip", default="", help="sections to skip: kernels,bandwidth,engine")
+    gpu.add_argument("--budget-s", type=float, default=420.0, help="start no section after")
+    gpu.add_argument("--peak-tbs", type=float, default=None, help="HBM peak (default by GPU)")
+    gpu.add_argument("--json", action="store_true")
     _observability_parsers(sub)
     return parser
 
@@ -411,7 +419,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.step import SamplingParams
 
     try:
         params = SamplingParams(
@@ -498,7 +506,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     import json as _json
     from pathlib import Path
 
-    from spur.actors.engine import capacity as cap
+    from spur.actors.engine.core import capacity as cap
 
     try:
         geometry = cap.load_geometry(
@@ -726,6 +734,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
+    elif args.bench == "gpu":
+        from spur.cluster.bench import gpu
+
+        try:
+            result = gpu.run(
+                dry_run=args.dry_run,
+                skip=tuple(s for s in args.skip.split(",") if s),
+                budget_s=args.budget_s,
+                peak_tbs=args.peak_tbs,
+            )
+        except RuntimeError as e:
+            raise UsageError(str(e)) from None
     else:
         raise UsageError(f"choose a benchmark: {', '.join(BENCHES)}")
     if args.bench == "serve" and args.plot:
@@ -737,7 +757,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         for key, value in result.items():
             print(f"{key}: {value}")
-    return 0
+    return 1 if args.bench == "gpu" and not result.get("ok") else 0
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from spur.actors.engine.sampling_params import SamplingParamsError
-    from spur.actors.engine.scheduler import RequestRejected
+    from spur.actors.engine.core.scheduler import RequestRejected
+    from spur.actors.step import SamplingParamsError
 
 _DEFAULT_TYPES = {
     400: "invalid_request_error",

@@ -1,8 +1,8 @@
 """One engine request that survives the replica serving it.
 
-`EngineStream` wraps the ingress's `open(payload, attempt)` (which picks the lane's
-primaries or its spare, sends the request and returns the engine stream with its
-first item) and gives every request exactly one ending: a complete answer, or an
+`EngineStream` wraps an `open(payload, attempt)` (`LaneOpener`, below: it picks the
+lane's primaries or its spare, sends the request and returns the engine stream
+with its first item) and gives every request exactly one ending: a complete answer, or an
 error item that says what happened.
 
 - Before the first token: a replica that dies (or whose engine died) is retried,
@@ -26,7 +26,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from spur.cluster.errors import ProtocolError, service_unavailable
+from spur.cluster.errors import ProtocolError, queue_full, service_unavailable
+from spur.cluster.lanes import Lane, LaneMonitor
+from spur.cluster.readiness import CountedStream, shutting_down
 
 logger = logging.getLogger(__name__)
 
@@ -199,3 +201,136 @@ class EngineStream:
         if self.gen is not None:
             with contextlib.suppress(Exception):
                 self.gen.cancel()
+
+
+# -- opening a lane's engine stream --------------------------------------------------------
+NO_REPLICA_TIMEOUT_S = 15.0
+"""How long a request waits for its first item while its target has no healthy
+replica, before a retriable 503 (Serve would hold it until one comes back)."""
+
+
+def is_back_pressure(exc: BaseException) -> bool:
+    """Serve's `BackPressureError` (every replica's queue is full), matched by class
+    name as `REPLICA_GONE` is, so that this module needs no Ray import."""
+    return any(c.__name__ == "BackPressureError" for c in type(exc).__mro__)
+
+
+class LaneOpener:
+    """`open(payload, attempt)` for `EngineStream`, for one lane: its primaries or
+    its spare (as the lane monitor's selector says now), the prompt's block hashes
+    for that target, and the first item, so that a rejection becomes an HTTP error
+    before any byte is sent.
+
+    `off_loop(fn, *args, **kwargs)` runs `fn` off the event loop (the ingress's
+    tokenizer pool: hashing a long prompt); `send(target, payload)` starts the
+    streamed `generate` call on the target lane's deployment and returns its
+    response generator. Raises `ProtocolError`: 503 (retriable, see
+    `is_retriable`) when the target fails or moves away before the first item,
+    429 `queue_full` on back pressure, or the engine's own error (400, ...).
+    """
+
+    def __init__(
+        self,
+        monitor: LaneMonitor,
+        lane: Lane,
+        *,
+        chat: bool,
+        off_loop: Callable[..., Awaitable[Any]],
+        send: Callable[[Lane, dict[str, Any]], Any],
+    ) -> None:
+        self.monitor = monitor
+        self.lane = lane
+        self.chat = chat
+        self.off_loop = off_loop
+        self.send = send
+
+    async def __call__(self, payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
+        monitor, lane, selector = self.monitor, self.lane, self.monitor.selector
+        if attempt and monitor.draining is not None:  # nowhere to move it to
+            raise shutting_down(monitor.draining)
+        name = selector.target(lane.name)
+        if name == lane.name and attempt and lane.healthy == 0:
+            # The primaries are gone and the monitor has not switched yet.
+            if selector.fail_over_now(lane.name):
+                monitor.switched(lane.name, "down")
+            name = selector.target(lane.name)
+        target = monitor.lanes[name]
+        if name != lane.name:
+            monitor.index.count.remote(lane.name, "fallback")
+        if target.caching and payload.get("block_hashes") is None:
+            payload = {
+                **payload,
+                "block_hashes": await self.off_loop(
+                    target.hasher.chain,
+                    payload["prompt_token_ids"],
+                    cache_salt=payload.get("cache_salt"),
+                ),
+            }
+        if attempt:  # a retry may reach a replica that still holds the old id
+            payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
+        gen = self.send(target, payload)
+        if name != lane.name:  # the lane's demand, for its autoscaling policy
+            gen = CountedStream(gen, monitor.on_spare, lane.name)
+        first_task = asyncio.ensure_future(gen.__anext__())
+        try:
+            await self._first_item(name, first_task)
+        except BaseException:
+            first_task.cancel()
+            gen.cancel()
+            with contextlib.suppress(BaseException):
+                await first_task  # retrieve it: no "exception never retrieved"
+            raise
+        try:
+            first = first_task.result()
+        except StopAsyncIteration:
+            raise service_unavailable("the engine closed the stream without answering") from None
+        except Exception as exc:
+            if is_back_pressure(exc):
+                raise queue_full(1.0) from None
+            raise
+        if first["type"] == "error":
+            self._raise_engine_error(first)
+        return gen, first
+
+    async def _first_item(self, name: str, first: asyncio.Future[Any]) -> None:
+        """Wait for a request's first item, in slices: give up (a retriable 503) when
+        the lane moved to its spare because its primaries went down, or when the
+        target has had no healthy replica for NO_REPLICA_TIMEOUT_S (Serve would
+        otherwise hold the request until a replica comes back, maybe never)."""
+        lane, selector = self.lane, self.monitor.selector
+        loop = asyncio.get_running_loop()
+        since: float | None = None
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=0.5)
+            if done:
+                return
+            state = selector.state.get(lane.name)
+            moved = name == lane.name and selector.target(lane.name) != name
+            if moved and state is not None and state.reason != "saturated":
+                raise service_unavailable(
+                    f"lane {lane.name!r} moved to its spare while the request waited"
+                )
+            if self.monitor.lanes[name].healthy == 0:
+                since = loop.time() if since is None else since
+                if loop.time() - since > NO_REPLICA_TIMEOUT_S:
+                    raise service_unavailable(
+                        f"{name!r} has had no healthy replica for {NO_REPLICA_TIMEOUT_S:.0f} s; "
+                        "retry later",
+                        5.0,
+                    )
+            else:
+                since = None
+
+    def _raise_engine_error(self, first: dict[str, Any]) -> None:
+        """The engine's error item (its first) as the ProtocolError the client gets."""
+        if first.get("code") == "draining":  # planned removal: retried, no failure
+            raise service_unavailable(first["message"], 1.0)
+        if first.get("status") == 503 and first.get("replica_id"):
+            self.monitor.index.report_failure.remote(first["replica_id"])
+        param = first.get("param")
+        code = None
+        if param == "prompt" and "max_model_len" in first["message"]:
+            code = "context_length_exceeded"
+        if param == "prompt" and self.chat:
+            param = "messages"
+        raise ProtocolError(first["status"], first["message"], param=param, code=code)

@@ -102,15 +102,11 @@ class FakeCluster:
         }
 
     def process_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-            env.pop(key, None)
+        assert self.tmpdir is not None, "start() first"
+        env = ray_test_env(self.tmpdir)
         env.update(
             RAY_FAKE_CLUSTER="1",
             AUTOSCALER_UPDATE_INTERVAL_S="1",
-            RAY_AUTH_MODE="disabled",
-            RAY_USAGE_STATS_ENABLED="0",
-            RAY_TMPDIR=str(self.tmpdir),
             # Autoscaling stats reach Serve's controller every second (default 10 s).
             RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S="1",
             **self.env,
@@ -180,23 +176,56 @@ class FakeCluster:
         Returns the processes that had to be killed (empty when it was clean)."""
         if self.proc is None:
             return []
-        sid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout_s)
-        deadline = time.monotonic() + 15
+        return stop_session(self.proc, signal.SIGTERM, timeout_s)
+
+
+def ray_test_env(tmpdir: Path) -> dict[str, str]:
+    """This process's environment for a private Ray cluster under `tmpdir`: never
+    joining (or authenticating against) another cluster, no token auth, no usage
+    stats. Shared by the fake cluster and the e2e tests' `spur serve` processes."""
+    env = dict(os.environ)
+    for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(key, None)
+    env.update(
+        RAY_TMPDIR=str(tmpdir),
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    return env
+
+
+def stop_session(
+    proc: subprocess.Popen[bytes], sig: int, timeout_s: float, grace_s: float = 15.0
+) -> list[str]:
+    """Stop `proc`, the leader of a session of its own, and everything it started:
+    send `sig`, wait up to `timeout_s` for it to exit, give the rest of its session
+    `grace_s` to follow (Ray's workers notice their raylet's exit on their own), then
+    SIGKILL what is left. Returns the problems seen, empty when the stop was clean:
+    a leader that ignored `sig`, processes that had to be killed."""
+    problems = []
+    sid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            problems.append(f"pid {sid} ignored signal {sig} for {timeout_s:.0f} s")
+    deadline = time.monotonic() + grace_s
+    left = session_processes(sid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
         left = session_processes(sid)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.5)
-            left = session_processes(sid)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        return [f"{pid} {cmd[:100]}" for pid, cmd in left.items()]
+    if left:
+        problems.append(
+            "still running after shutdown: " + "; ".join(f"{p} {c[:100]}" for p, c in left.items())
+        )
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    return problems
 
 
 def session_processes(sid: int) -> dict[int, str]:

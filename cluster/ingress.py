@@ -29,14 +29,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
-from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids
-from spur.actors.engine.hashing import BlockHasher, tenant_salt
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from spur.actors.engine.core.hashing import tenant_salt
+from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
+from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
+from spur.actors.engine.shell.output_processor import Delta
+from spur.actors.step import Logprobs
+from spur.cluster import api_requests as rq
+from spur.cluster import api_responses as rs
 from spur.cluster import metrics as M
-from spur.cluster import protocol as P
 from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard
 from spur.cluster.errors import (
     ProtocolError,
@@ -48,16 +49,15 @@ from spur.cluster.errors import (
     rate_limited,
     service_unavailable,
 )
-from spur.cluster.failover import EngineStream
+from spur.cluster.failover import EngineStream, LaneOpener
 from spur.cluster.fanout import FanOut
-from spur.cluster.lanes import LaneSelector, LaneView
-from spur.cluster.readiness import CountedStream, health_report, shutting_down
+from spur.cluster.lanes import Lane, LaneMonitor, LaneSelector
+from spur.cluster.readiness import health_report, shutting_down
 from spur.cluster.routing.index_actor import get_index, index_kwargs_of
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-NO_REPLICA_TIMEOUT_S = 15.0
 MAX_WARNED_FIELDS = 256
 """Unknown request fields remembered (to log each once); a fixed cap, since clients
 choose the names."""
@@ -80,7 +80,9 @@ def _openapi() -> dict[str, Any]:
     doc = here._OPENAPI.get(served)
     if doc is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(P.request_schemas(served))
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(
+            rq.request_schemas(served)
+        )
         here._OPENAPI.clear()
         here._OPENAPI[served] = doc
     return doc
@@ -186,21 +188,6 @@ def _error_response(exc: ProtocolError) -> Response:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers or None)
 
 
-class _Lane:
-    """What the ingress knows of one lane's (or the spare's) engines; the
-    tokenizer and max_model_len are filled on first use."""
-
-    def __init__(self, name: str, handle: Any, cache: dict[str, Any]) -> None:
-        self.name = name
-        self.handle = handle
-        self.hasher = BlockHasher(int(cache["block_size"]), str(cache["hash_seed"]))
-        self.caching = bool(cache.get("enable_prefix_caching", True))
-        self.tokenizer: Any = None
-        self.max_model_len = 0
-        self.lock = asyncio.Lock()
-        self.healthy = -1  # replicas the index holds healthy (-1: not polled yet)
-
-
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engines: dict[str, Any], config: dict[str, Any]) -> None:
@@ -210,7 +197,7 @@ class Ingress:
         if spare is not None:
             sections[spare["name"]] = spare
         self.lanes = {
-            name: _Lane(name, handle, sections[name]["engine"]["cache"])
+            name: Lane(name, handle, sections[name]["engine"]["cache"])
             for name, handle in engines.items()
         }
         self.primaries = [lane["name"] for lane in config["lanes"]]
@@ -238,10 +225,17 @@ class Ingress:
         self.metrics_on = bool(config["server"].get("metrics", True))
         M.HTTP.enabled = self.metrics_on
         self.ingress_id = M.ingress_id()
-        # Readiness and drain (spur.cluster.readiness); requests held per lane while
-        # no engine of it answers yet, bounded by the lane's max_queued_requests.
-        self.draining: str | None = None
-        self.on_spare: Counter[str] = Counter()
+        # Lane health, failover and drain state (spur.cluster.lanes, readiness).
+        self.monitor = LaneMonitor(
+            self.lanes,
+            self.primaries,
+            self.selector,
+            self.index,
+            self.ingress_id,
+            metrics_on=self.metrics_on,
+        )
+        # Requests held per lane while no engine of it answers yet, bounded by the
+        # lane's max_queued_requests.
         self.holding: Counter[str] = Counter()
         self.hold_limit = {name: int(sections[name]["max_queued_requests"]) for name in sections}
         self._warmer: asyncio.Task[None] | None = None
@@ -263,12 +257,17 @@ class Ingress:
             thread_name_prefix="spur-tokenize",
         )
 
+    @property
+    def draining(self) -> str | None:
+        """Why the deployment drains (None: it does not); the lane monitor learns it."""
+        return self.monitor.draining
+
     # -- helpers ----------------------------------------------------------------------
-    async def _lane(self, model: str | None) -> tuple[str, _Lane]:
+    async def _lane(self, model: str | None) -> tuple[str, Lane]:
         self._ensure_monitor()
         if self.draining is not None:
             raise shutting_down(self.draining)
-        name = P.resolve_model(model, self.served)
+        name = rq.resolve_model(model, self.served)
         lane = self.lanes[self.model_to_lane[name]]
         if lane.tokenizer is None:
             # Cold start: hold the request until an engine of the lane (or its spare)
@@ -294,7 +293,7 @@ class Ingress:
                 logger.warning("no stats from %s: %s", name, exc)
             return None
 
-    async def _init_lane(self, lane: _Lane) -> None:
+    async def _init_lane(self, lane: Lane) -> None:
         """Learn a lane's model (tokenizer, max_model_len) from its engines, or from
         its spare when the primaries are down (waiting until one answers, or the
         server drains); check that the spare tokenizes the same way (token ids
@@ -357,12 +356,12 @@ class Ingress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _encode(self, lane: _Lane, prompt: str | list[int]) -> list[int]:
+    def _encode(self, lane: Lane, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(lane.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return list(prompt)
 
-    async def _chat_ids(self, lane: _Lane, req: P.ChatCompletionRequest) -> list[int]:
+    async def _chat_ids(self, lane: Lane, req: rq.ChatCompletionRequest) -> list[int]:
         try:
             return list(
                 await self._off_loop(
@@ -422,19 +421,19 @@ class Ingress:
             "tokens_per_minute_exceeded",
         )
 
-    def _token_str(self, lane: _Lane) -> Any:
+    def _token_str(self, lane: Lane) -> Any:
         tok = lane.tokenizer
         return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
     def _ensure_monitor(self) -> None:
         loop = asyncio.get_running_loop()
         if self._monitor is None or self._monitor.done():
-            self._monitor = loop.create_task(self._monitor_lanes())
+            self._monitor = loop.create_task(self.monitor.run())
         if self._warmer is None:  # learn every lane's model now: readiness, no cold request
             self._warmer = loop.create_task(self._warm_lanes())
 
     async def _warm_lanes(self) -> None:
-        async def warm(lane: _Lane) -> None:
+        async def warm(lane: Lane) -> None:
             while lane.tokenizer is None and self.draining is None:
                 try:
                     async with lane.lock:
@@ -446,47 +445,16 @@ class Ingress:
 
         await asyncio.gather(*(warm(self.lanes[name]) for name in self.primaries))
 
-    async def _monitor_lanes(self, period_s: float = 0.25) -> None:
-        """Poll the index's health view; move lanes to and from their spare; push
-        this replica's metrics counters every second."""
-        loop = asyncio.get_running_loop()
-        pushed = 0.0
-        while True:
-            try:
-                draining = await self.index.report_spare_load.remote(
-                    self.ingress_id, {k: v for k, v in self.on_spare.items() if v > 0}
-                )
-                if draining is not None and self.draining is None:
-                    logger.warning("draining: %s", draining)
-                self.draining = draining
-                counts = await self.index.healthy_counts.remote(list(self.lanes))
-                for name, c in counts.items():
-                    self.lanes[name].healthy = c["healthy"]
-                views = {
-                    name: LaneView(c["healthy"], c["waiting"])
-                    for name, c in counts.items()
-                    if name in self.primaries
-                }
-                if self.draining is None:  # replicas leaving on shutdown: no failover
-                    for lane, reason in self.selector.update(views):
-                        self._switched(lane, reason)
-                if self.metrics_on and loop.time() - pushed >= 1.0:
-                    pushed = loop.time()
-                    self.index.push_ingress.remote(
-                        self.ingress_id, M.HTTP.snapshot(), self._lane_states()
-                    )
-            except Exception as exc:
-                logger.warning("lane monitor: %s", exc)
-            await asyncio.sleep(period_s)
+    def _opener(self, lane: Lane, *, chat: bool) -> LaneOpener:
+        """`open(payload, attempt)` for EngineStream (see `failover.LaneOpener`)."""
+        return LaneOpener(self.monitor, lane, chat=chat, off_loop=self._off_loop, send=self._send)
 
-    def _lane_states(self) -> dict[str, Any]:
-        """Per primary lane: its target now, why, and its spare (for /metrics)."""
-        return M.lane_states(self.selector, self.primaries)
-
-    def _switched(self, lane: str, reason: str) -> None:
-        logger.warning("lane %s now served by %s (%s)", lane, self.selector.target(lane), reason)
-        self.index.count.remote(lane, "to_primary" if reason == "primary" else "to_spare")
-        M.count_switch(M.HTTP, self.selector, lane, reason)
+    def _send(self, target: Lane, payload: dict[str, Any]) -> Any:
+        """Start one streamed `generate` call on `target`'s deployment."""
+        with _own_internal_request_id():
+            return target.handle.options(
+                stream=True, _by_reference=self.by_reference
+            ).generate.remote(payload)
 
     def _on_event(self, lane: str) -> Any:
         def on_event(name: str, replica_id: str | None) -> None:  # failover.EngineStream
@@ -496,107 +464,12 @@ class Ingress:
 
         return on_event
 
-    async def _first_item(self, lane: _Lane, name: str, first: asyncio.Future[Any]) -> None:
-        """Wait for a request's first item, in slices: give up (a retriable 503) when
-        the lane moved to its spare because its primaries went down, or when the
-        target has had no healthy replica for NO_REPLICA_TIMEOUT_S (Serve would
-        otherwise hold the request until a replica comes back, maybe never)."""
-        loop = asyncio.get_running_loop()
-        since: float | None = None
-        while True:
-            done, _ = await asyncio.wait({first}, timeout=0.5)
-            if done:
-                return
-            state = self.selector.state.get(lane.name)
-            moved = name == lane.name and self.selector.target(lane.name) != name
-            if moved and state is not None and state.reason != "saturated":
-                raise service_unavailable(
-                    f"lane {lane.name!r} moved to its spare while the request waited"
-                )
-            if self.lanes[name].healthy == 0:
-                since = loop.time() if since is None else since
-                if loop.time() - since > NO_REPLICA_TIMEOUT_S:
-                    raise service_unavailable(
-                        f"{name!r} has had no healthy replica for {NO_REPLICA_TIMEOUT_S:.0f} s; "
-                        "retry later",
-                        5.0,
-                    )
-            else:
-                since = None
-
-    def _opener(self, lane: _Lane, *, chat: bool) -> Any:
-        """`open(payload, attempt)` for EngineStream: the lane's primaries or its spare,
-        the prompt's block hashes for that target, and the first item (so that a
-        rejection becomes an HTTP error before any byte is sent)."""
-
-        async def open_(payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
-            if attempt and self.draining is not None:  # nowhere to move it to
-                raise shutting_down(self.draining)
-            name = self.selector.target(lane.name)
-            if name == lane.name and attempt and lane.healthy == 0:
-                # The primaries are gone and the monitor has not switched yet.
-                if self.selector.fail_over_now(lane.name):
-                    self._switched(lane.name, "down")
-                name = self.selector.target(lane.name)
-            target = self.lanes[name]
-            if name != lane.name:
-                self.index.count.remote(lane.name, "fallback")
-            if target.caching and payload.get("block_hashes") is None:
-                payload = {
-                    **payload,
-                    "block_hashes": await self._off_loop(
-                        target.hasher.chain,
-                        payload["prompt_token_ids"],
-                        cache_salt=payload.get("cache_salt"),
-                    ),
-                }
-            if attempt:  # a retry may reach a replica that still holds the old id
-                payload = {**payload, "request_id": f"{payload['request_id']}-a{attempt}"}
-            with _own_internal_request_id():
-                gen = target.handle.options(
-                    stream=True, _by_reference=self.by_reference
-                ).generate.remote(payload)
-            if name != lane.name:  # the lane's demand, for its autoscaling policy
-                gen = CountedStream(gen, self.on_spare, lane.name)
-            first_task = asyncio.ensure_future(gen.__anext__())
-            try:
-                await self._first_item(lane, name, first_task)
-            except BaseException:
-                first_task.cancel()
-                gen.cancel()
-                with contextlib.suppress(BaseException):
-                    await first_task  # retrieve it: no "exception never retrieved"
-                raise
-            try:
-                first = first_task.result()
-            except BackPressureError:
-                raise queue_full(1.0) from None
-            except StopAsyncIteration:
-                raise service_unavailable(
-                    "the engine closed the stream without answering"
-                ) from None
-            if first["type"] == "error":
-                if first.get("code") == "draining":  # planned removal: retried, no failure
-                    raise service_unavailable(first["message"], 1.0)
-                if first.get("status") == 503 and first.get("replica_id"):
-                    self.index.report_failure.remote(first["replica_id"])
-                param = first.get("param")
-                code = None
-                if param == "prompt" and "max_model_len" in first["message"]:
-                    code = "context_length_exceeded"
-                if param == "prompt" and chat:
-                    param = "messages"
-                raise ProtocolError(first["status"], first["message"], param=param, code=code)
-            return gen, first
-
-        return open_
-
     # -- OpenAI API ---------------------------------------------------------------------
-    @app.post("/v1/completions", openapi_extra=P.openapi_request_body("/v1/completions"))
+    @app.post("/v1/completions", openapi_extra=rq.openapi_request_body("/v1/completions"))
     async def completions(self, request: Request) -> Response:
         return await self._guard(self._completions(request))
 
-    @app.post("/v1/chat/completions", openapi_extra=P.openapi_request_body("/v1/chat/completions"))
+    @app.post("/v1/chat/completions", openapi_extra=rq.openapi_request_body("/v1/chat/completions"))
     async def chat_completions(self, request: Request) -> Response:
         return await self._guard(self._chat(request))
 
@@ -606,7 +479,7 @@ class Ingress:
         return f"{model}:{value}" if value else None
 
     async def _completions(self, request: Request) -> Response:
-        req = P.parse_request(P.CompletionRequest, await self._body(request))
+        req = rq.parse_request(rq.CompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
         texts = req.prompts()
         if len(texts) > self.max_prompts:
@@ -627,7 +500,7 @@ class Ingress:
         )
 
     async def _chat(self, request: Request) -> Response:
-        req = P.parse_request(P.ChatCompletionRequest, await self._body(request))
+        req = rq.parse_request(rq.ChatCompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
         ids = await self._chat_ids(lane, req)
@@ -641,7 +514,7 @@ class Ingress:
         self,
         req: Any,
         model: str,
-        lane: _Lane,
+        lane: Lane,
         prompts: list[list[int]],
         params: Any,
         *,
@@ -650,8 +523,8 @@ class Ingress:
         request: Request | None = None,
     ) -> Response:
         self._ensure_monitor()
-        rid = P.make_id("chatcmpl" if chat else "cmpl")
-        created = P.now()
+        rid = rs.make_id("chatcmpl" if chat else "cmpl")
+        created = rs.now()
         sp = _params_dict(params)
         principal: Principal | None = getattr(request.state, "principal", None) if request else None
         salt = params.extra.get("cache_salt")
@@ -694,7 +567,7 @@ class Ingress:
             await fan.ready()
             token_str = self._token_str(lane) if params.logprobs is not None else None
             if req.stream:
-                stream = P.ChunkStream.for_request(
+                stream = rs.ChunkStream.for_request(
                     req,
                     request_id=rid,
                     model=model,
@@ -716,7 +589,7 @@ class Ingress:
                 if comp.finish_reason == "abort":
                     raise service_unavailable("the request was aborted by the engine")
         if chat:
-            body = P.chat_response(
+            body = rs.chat_response(
                 rid,
                 model,
                 created,
@@ -726,7 +599,7 @@ class Ingress:
                 num_top_logprobs=req.num_top_logprobs,
             )
         else:
-            body = P.completion_response(
+            body = rs.completion_response(
                 rid,
                 model,
                 created,
@@ -737,29 +610,29 @@ class Ingress:
             )
         return JSONResponse(body)
 
-    async def _sse(self, stream: P.ChunkStream, fan: FanOut, release: Any) -> AsyncIterator[bytes]:
+    async def _sse(self, stream: rs.ChunkStream, fan: FanOut, release: Any) -> AsyncIterator[bytes]:
         cached = 0
         try:
             for chunk in stream.start():
-                yield P.sse(chunk)
+                yield rs.sse(chunk)
             try:
                 async for i, item in fan.items():
                     if item["type"] == "delta":
                         delta = _delta(item)
                         for chunk in stream.update(delta, delta.logprobs, prompt_index=i):
-                            yield P.sse(chunk)
+                            yield rs.sse(chunk)
                     elif item["type"] == "final":
                         cached += item.get("num_cached_tokens", 0)
             except Exception as exc:  # the response has started: report it in-stream
                 err = _as_protocol_error(exc)
                 log = logger.exception if err.status >= 500 else logger.warning
                 log("stream %s failed after it started: %s", stream.request_id, err.message)
-                yield P.sse(error_body(err))
-                yield P.sse_done()
+                yield rs.sse(error_body(err))
+                yield rs.sse_done()
                 return
             for chunk in stream.finish(cached):
-                yield P.sse(chunk)
-            yield P.sse_done()
+                yield rs.sse(chunk)
+            yield rs.sse_done()
         finally:
             # A client that went away lands here too: cancel the engine-side
             # generators, which abort the requests and free their blocks.
@@ -778,7 +651,7 @@ class Ingress:
     # -- other endpoints ----------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self) -> Response:
-        return JSONResponse(P.models_response(self.served))
+        return JSONResponse(rs.models_response(self.served))
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -812,7 +685,7 @@ class Ingress:
         self._ensure_monitor()
         try:
             view = await self.index.metrics_view.remote(
-                list(self.lanes), self.ingress_id, M.HTTP.snapshot(), self._lane_states()
+                list(self.lanes), self.ingress_id, M.HTTP.snapshot(), self.monitor.lane_states()
             )
         except Exception as exc:
             return _error_response(service_unavailable(f"the KV index is unavailable ({exc})", 1.0))
@@ -844,7 +717,7 @@ class Ingress:
 
     @app.post(
         "/admin/reset_prefix_cache",
-        openapi_extra=P.openapi_request_body("/admin/reset_prefix_cache", required=False),
+        openapi_extra=rq.openapi_request_body("/admin/reset_prefix_cache", required=False),
     )
     async def admin_reset_prefix_cache(self, request: Request) -> Response:
         """Make engines forget their cached prefixes: body {"lane": name} for one lane,
@@ -853,7 +726,7 @@ class Ingress:
 
         async def work() -> Response:
             body = await self._body(request)
-            req = P.parse_request(P.ResetPrefixCacheRequest, body if body.strip() else {})
+            req = rq.parse_request(rq.ResetPrefixCacheRequest, body if body.strip() else {})
             lane, replica = req.lane, req.replica_id
             if lane is not None and lane not in self.lanes:
                 raise ProtocolError(
@@ -881,10 +754,10 @@ class Ingress:
             out[name] = stats if stats is not None else {"error": "no replica answered"}
         return JSONResponse(out)
 
-    @app.post("/tokenize", openapi_extra=P.openapi_request_body("/tokenize"))
+    @app.post("/tokenize", openapi_extra=rq.openapi_request_body("/tokenize"))
     async def tokenize(self, request: Request) -> Response:
         async def work() -> Response:
-            req = P.parse_request(P.TokenizeRequest, await self._body(request))
+            req = rq.parse_request(rq.TokenizeRequest, await self._body(request))
             _, lane = await self._lane(req.model)
             tok = lane.tokenizer
             if req.is_chat:
@@ -907,14 +780,14 @@ class Ingress:
                     lambda: list(tok(req.prompt, add_special_tokens=special)["input_ids"])
                 )
             strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return JSONResponse(P.tokenize_response(ids, lane.max_model_len, strs))
+            return JSONResponse(rs.tokenize_response(ids, lane.max_model_len, strs))
 
         return await self._guard(work())
 
-    @app.post("/detokenize", openapi_extra=P.openapi_request_body("/detokenize"))
+    @app.post("/detokenize", openapi_extra=rq.openapi_request_body("/detokenize"))
     async def detokenize(self, request: Request) -> Response:
         async def work() -> Response:
-            req = P.parse_request(P.DetokenizeRequest, await self._body(request))
+            req = rq.parse_request(rq.DetokenizeRequest, await self._body(request))
             _, lane = await self._lane(req.model)
             vocab = len(lane.tokenizer)
             bad = [t for t in req.tokens if t >= vocab]
@@ -925,6 +798,6 @@ class Ingress:
                     param="tokens",
                 )
             text = await self._off_loop(lane.tokenizer.decode, req.tokens)
-            return JSONResponse(P.detokenize_response(text))
+            return JSONResponse(rs.detokenize_response(text))
 
         return await self._guard(work())

@@ -1,5 +1,8 @@
-"""Which deployment serves a lane's traffic now: its primaries or its spare (pure
-Python; the ingress feeds it the KV index's health view a few times a second).
+"""Which deployment serves a lane's traffic now: its primaries or its spare.
+
+`LaneSelector` decides (pure Python); `LaneMonitor` is the ingress's asyncio loop
+that feeds it the KV index's health view a few times a second; `Lane` is what
+the ingress knows of one lane's engines.
 
 A lane's primaries are usable when at least one replica is healthy and not all
 of the healthy ones are saturated (more than `saturation_queue_threshold`
@@ -12,9 +15,18 @@ healthy, its requests fail after their attempts with a 503.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from spur.actors.engine.core.hashing import BlockHasher
+from spur.cluster import metrics as M
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,3 +137,101 @@ class LaneSelector:
             "switches": st.switches,
             "spare_disabled": self.disabled.get(lane),
         }
+
+
+class Lane:
+    """What the ingress knows of one lane's (or the spare's) engines: its Serve
+    handle, how it hashes blocks, and (filled on first use by the ingress) its
+    tokenizer and max_model_len. `healthy` is written by `LaneMonitor`."""
+
+    def __init__(self, name: str, handle: Any, cache: dict[str, Any]) -> None:
+        self.name = name
+        self.handle = handle
+        self.hasher = BlockHasher(int(cache["block_size"]), str(cache["hash_seed"]))
+        self.caching = bool(cache.get("enable_prefix_caching", True))
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.lock = asyncio.Lock()
+        self.healthy = -1  # replicas the index holds healthy (-1: not polled yet)
+
+
+class LaneMonitor:
+    """The ingress's loop around `LaneSelector`: a few times a second it reads the
+    KV index's health view (healthy replicas and waiting queues per lane), moves
+    lanes to and from their spare, learns whether the deployment is draining, and
+    pushes this ingress's metrics counters every second.
+
+    `index` is the KV index actor's handle (`routing.index_actor.get_index`): the
+    monitor only calls `.remote(...)` on its methods, so no Ray import here.
+    `draining` (None, or why the deployment drains) and `on_spare` (lane ->
+    requests this ingress has on the lane's spare now, kept by `CountedStream`)
+    are read by the ingress and the failover opener.
+    """
+
+    def __init__(
+        self,
+        lanes: dict[str, Lane],
+        primaries: Sequence[str],
+        selector: LaneSelector,
+        index: Any,
+        ingress_id: str,
+        *,
+        metrics_on: bool,
+    ) -> None:
+        self.lanes = lanes
+        self.primaries = list(primaries)
+        self.selector = selector
+        self.index = index
+        self.ingress_id = ingress_id
+        self.metrics_on = metrics_on
+        self.draining: str | None = None
+        self.on_spare: Counter[str] = Counter()
+        self._pushed = float("-inf")  # loop time of the last metrics push
+
+    async def run(self, period_s: float = 0.25) -> None:
+        """`poll()` every `period_s` until cancelled."""
+        while True:
+            await self.poll()
+            await asyncio.sleep(period_s)
+
+    async def poll(self) -> None:
+        """One round: read the drain state and the index's health view, move lanes to
+        and from their spare (not while draining: replicas leave on shutdown), and
+        push this ingress's metrics counters when a second has passed since the
+        last push. A failed round is logged, not raised (the next one retries)."""
+        loop = asyncio.get_running_loop()
+        try:
+            draining = await self.index.report_spare_load.remote(
+                self.ingress_id, {k: v for k, v in self.on_spare.items() if v > 0}
+            )
+            if draining is not None and self.draining is None:
+                logger.warning("draining: %s", draining)
+            self.draining = draining
+            counts = await self.index.healthy_counts.remote(list(self.lanes))
+            for name, c in counts.items():
+                self.lanes[name].healthy = c["healthy"]
+            views = {
+                name: LaneView(c["healthy"], c["waiting"])
+                for name, c in counts.items()
+                if name in self.primaries
+            }
+            if self.draining is None:  # replicas leaving on shutdown: no failover
+                for lane, reason in self.selector.update(views):
+                    self.switched(lane, reason)
+            if self.metrics_on and loop.time() - self._pushed >= 1.0:
+                self._pushed = loop.time()
+                self.index.push_ingress.remote(
+                    self.ingress_id, M.HTTP.snapshot(), self.lane_states()
+                )
+        except Exception as exc:
+            logger.warning("lane monitor: %s", exc)
+
+    def lane_states(self) -> dict[str, Any]:
+        """Per primary lane: its target now, why, and its spare (for /metrics)."""
+        return M.lane_states(self.selector, self.primaries)
+
+    def switched(self, lane: str, reason: str) -> None:
+        """Log, count (index and this ingress's metrics) a lane's move to `reason`."""
+        logger.warning("lane %s now served by %s (%s)", lane, self.selector.target(lane), reason)
+        self.index.count.remote(lane, "to_primary" if reason == "primary" else "to_spare")
+        M.count_switch(M.HTTP, self.selector, lane, reason)

@@ -41,7 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from spur.actors.engine.metrics import HISTOGRAMS
+from spur.actors.engine.shell.metrics import HISTOGRAMS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -27,6 +27,9 @@ Pure pydantic: no torch, no Ray.
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -131,3 +134,37 @@ def engine_config(**flat: Any) -> EngineConfig:
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
         )
         raise ValueError(f"invalid engine arguments: {problems}") from None
+
+
+DEFAULTS_FILE = Path(__file__).resolve().parent / "engine_defaults.json"
+"""The flat defaults, generated from the schema (`python -m spur.configs.engine_args
+--write`; a test keeps it fresh). Read only where pydantic is missing (the bare GPU
+machine: `spur.actors.builder.EngineArgs.of`), never edited by hand."""
+
+
+def flat_defaults() -> dict[str, Any]:
+    """Every flat engine argument's schema default (`EngineConfig()` flattened)."""
+    return flat_engine_args(EngineConfig())
+
+
+def defaults_json() -> str:
+    return json.dumps(flat_defaults(), indent=1, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`--write`: regenerate DEFAULTS_FILE; `--check`: exit 1 when it is stale."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--write"]:
+        DEFAULTS_FILE.write_text(defaults_json())
+        return 0
+    if args == ["--check"]:
+        fresh = DEFAULTS_FILE.exists() and DEFAULTS_FILE.read_text() == defaults_json()
+        if not fresh:
+            print(f"{DEFAULTS_FILE} is stale: run python -m spur.configs.engine_args --write")
+        return 0 if fresh else 1
+    print("usage: python -m spur.configs.engine_args --write | --check", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

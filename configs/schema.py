@@ -43,7 +43,7 @@ from pydantic import (
     model_validator,
 )
 
-from spur.actors.engine.hashing import DEFAULT_HASH_SEED
+from spur.configs.defaults import DEFAULT_HASH_SEED
 
 # --------------------------------------------------------------------------------------
 # Shared value types
@@ -312,6 +312,16 @@ class RuntimeConfig(_Section):
     """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
     request at every step, as a retirement bug would (the leak metrics and alerts are
     tested with it). Refused unless SPUR_ALLOW_TEST_SETTINGS=1; keep it 0."""
+    cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs at start (one per batch size of
+    `cuda_graph_batch_sizes`) and replay them, padded to the next captured size: a
+    step then costs one launch instead of one per kernel. Needs the triton backend;
+    ignored on CPU, with a log line. Turn off to measure it or to save start-up time."""
+    cuda_graph_batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(
+        None, min_length=1, max_length=512
+    )
+    """Decode batch sizes to capture (those above scheduler.max_num_seqs are dropped).
+    Unset: 1, 2, 4, then every multiple of 8 up to max_num_seqs, and max_num_seqs itself."""
 
 
 class SpeculativeConfig(_Section):

@@ -22,9 +22,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "spur.actors.llm",
-    "SamplingParams": "spur.actors.engine.sampling_params",
-    "RequestOutput": "spur.actors.engine.outputs",
-    "CompletionOutput": "spur.actors.engine.outputs",
+    "SamplingParams": "spur.actors.step",
+    "RequestOutput": "spur.actors.engine.core.outputs",
+    "CompletionOutput": "spur.actors.engine.core.outputs",
 }
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

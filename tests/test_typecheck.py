@@ -24,6 +24,7 @@ def test_engine_core_type_checks(tmp_path):
     res = subprocess.run(
         [
             sys.executable, "-m", "mypy", "-p", "spur.actors.engine",
+            "-m", "spur.actors.step", "-m", "spur.actors.cache_spec",
             "--exclude", r"actor\.py$", "--config-file", str(ROOT / "pyproject.toml"),
             "--cache-dir", str(tmp_path / ".mypy_cache"),
         ],

@@ -10,6 +10,7 @@ a placement group it creates one, targeted at the current node.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,15 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.worker import Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerDied(RuntimeError):
+    """A TP worker actor of this engine is gone (its process was killed, or its node
+    lost): the engine cannot step again and its replica must be replaced."""
 
 
 class WorkerActor:
@@ -35,6 +40,10 @@ class WorkerActor:
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def where(self) -> tuple[str, int]:
+        """(node id, pid) of this worker's process."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -58,7 +67,17 @@ def worker_bundles(config: WorkerConfig) -> list[dict[str, float]]:
 
 
 class RayExecutor(Executor):
-    """TP worker actors on this node, joined by torch.distributed."""
+    """TP worker actors on this node, joined by torch.distributed.
+
+    A worker that dies (kill -9, OOM killer) must not hang the engine: its peers may
+    sit in a collective waiting for it (gloo's timeout is 30 minutes), so
+    `collective_rpc` returns as soon as any rank's call fails and raises `WorkerDied`
+    (the engine thread then fails its requests with a retriable error), and
+    `check_health` raises it too, for a worker that dies while the engine is idle
+    (Serve's health check then replaces the replica, and the workers go with it)."""
+
+    poll_s = 0.5
+    """How often a call in flight checks its workers' processes."""
 
     def __init__(self, config: WorkerConfig) -> None:
         tp = config.tensor_parallel_size
@@ -85,7 +104,48 @@ class RayExecutor(Executor):
         ]
         ip = ray.get(self.workers[0].node_ip.remote())
         port = ray.get(self.workers[0].free_port.remote())
-        ray.get([w.start.remote(f"tcp://{ip}:{port}") for w in self.workers])
+        self.pids = ray.get([w.where.remote() for w in self.workers])
+        """(node id, pid) per rank: what `check_health` looks at."""
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._wait([w.start.remote(f"tcp://{ip}:{port}") for w in self.workers], "start")
+
+    def check_health(self) -> None:
+        """Raise `WorkerDied` if a worker's process on this node is gone. Cheap (no call
+        to the workers, which may be busy in a step): workers on another node, which
+        STRICT_PACK placement never makes, are not checked."""
+        for rank, (node_id, pid) in enumerate(self.pids):
+            if node_id != self._node_id:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise WorkerDied(
+                    f"TP worker rank {rank} (pid {pid}) of this engine is gone: the "
+                    "replica must be restarted"
+                ) from None
+            except PermissionError:  # exists, owned by someone else (pid reused)
+                pass
+
+    def _wait(self, refs: list[Any], method: str) -> list[Any]:
+        """Results of one call per rank, in rank order; raises `WorkerDied` as soon as
+        one rank's actor is dead or a worker process is gone, without waiting for the
+        others (a worker's own exception is re-raised as `ray.get` raises it)."""
+        pending = list(refs)
+        while True:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            if not pending:
+                try:
+                    return ray.get(refs)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerDied(f"a TP worker died during {method!r}: {exc}") from exc
+            for ref in done:  # rare: a rank finished long before the others
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerDied(
+                        f"TP worker rank {refs.index(ref)} died during {method!r}: {exc}"
+                    ) from exc
+            self.check_health()
 
     def collective_rpc(
         self,
@@ -95,7 +155,8 @@ class RayExecutor(Executor):
     ) -> list[Any]:
         if not isinstance(method, str):
             raise TypeError("RayExecutor calls worker methods by name")
-        return ray.get([w.call.remote(method, args, kwargs or {}) for w in self.workers])
+        refs = [w.call.remote(method, args, kwargs or {}) for w in self.workers]
+        return self._wait(refs, method)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,))[0]

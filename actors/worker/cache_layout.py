@@ -1,6 +1,6 @@
 """One paged pool for attention pages and recurrent states (hybrid models).
 
-The engine core groups layers (`actors/engine/capacity.build_groups`): every
+The engine core groups layers (`actors/cache_spec.build_groups`): every
 layer kind is split into groups of `group_size` layers, and all groups draw
 block ids from one pool. A block is `group_size` pages, one per layer of the
 group that owns it; a page is the largest page of any kind (smaller ones are
@@ -34,8 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from spur.actors.engine.capacity import LayerKind, ModelGeometry, build_groups
-from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup, StateSpec
+from spur.actors.cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    LayerKind,
+    ModelGeometry,
+    StateSpec,
+    build_groups,
+)
 from spur.kernels import AttentionMetadata
 from spur.kernels.gdn_reference import GDNMetadata
 

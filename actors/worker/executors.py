@@ -15,8 +15,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from spur.actors.engine.executor import Executor
-from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.worker import Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)

@@ -4,8 +4,9 @@ This module runs transformers' own modeling code and `generate` (never spur's
 model, kernels or scheduler). It serves two purposes:
 
 - `hf_greedy`: the token-level oracle. Greedy decoding in fp32 on the demo
-  model is batch-invariant (DESIGN.md section 5), so its token ids are what
-  spur's fp32 greedy output must equal, request for request.
+  model is batch-invariant (docs/architecture.md, "Facts the code relies on"),
+  so its token ids are what spur's fp32 greedy output must equal, request for
+  request.
 - `hf_static_batches`: the "before continuous batching" baseline. Requests go
   in arrival order into fixed batches (16 by default), left-padded to the
   batch's longest prompt; each batch decodes until its longest request is done,

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spur.actors.engine.outputs import SchedulerOutput
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams, SchedulerOutput
 
 
 @dataclass

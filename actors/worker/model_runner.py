@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from spur.actors.engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from spur.actors.step import Logprobs, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.cache_layout import (
     CacheLayout,
     HybridMetadata,
     attention_metadata_for,
     is_hybrid,
 )
+from spur.actors.worker.graph_runner import DecodeGraphs, build_decode_graphs
 from spur.actors.worker.input_batch import RequestStates
 from spur.actors.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spur.actors.worker.sampler import Sampler
@@ -98,6 +99,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.times = StepTimes()
+        self.graphs: DecodeGraphs | None = None  # decode CUDA graphs, once captured
 
     # -- KV cache ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -183,27 +185,15 @@ class ModelRunner:
         inputs = self.requests.prepare(out)
         dev = self.device
         n = inputs.num_tokens
-        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
-        positions = torch.from_numpy(inputs.positions).to(dev)
-        qsl_cpu = torch.from_numpy(inputs.query_start_loc)
-        seq_cpu = torch.from_numpy(inputs.seq_lens)
-        meta = AttentionMetadata(
-            num_reqs=len(inputs.req_ids),
-            num_actual_tokens=n,
-            max_query_len=inputs.max_query_len,
-            max_seq_len=inputs.max_seq_len,
-            query_start_loc=qsl_cpu.to(dev),
-            seq_lens=seq_cpu.to(dev),
-            block_tables=torch.from_numpy(inputs.block_table).to(dev),
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_cpu,
-        )
-        step_meta: AttentionMetadata | HybridMetadata = meta
-        if self.layout is not None:
-            step_meta = self._hybrid_metadata(out, inputs, meta)
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, step_meta)  # [n, hidden]
+        graph_size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        if self.graphs is not None and graph_size is not None:  # decode step: padded replay
+            self.graphs.load(inputs, graph_size)
+            t1 = time.perf_counter()
+            hidden = self.graphs.replay(graph_size)  # [graph_size, hidden]; rows >= n: padding
+        else:
+            input_ids, positions, step_meta = self._step_tensors(out, inputs)
+            t1 = time.perf_counter()
+            hidden = self.model(input_ids, positions, self.kv_caches, step_meta)  # [n, hidden]
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {rid: [] for rid in inputs.req_ids}
         logprobs_out: dict[str, list[Logprobs]] | None = None
@@ -237,6 +227,57 @@ class ModelRunner:
         times.steps += 1
         times.shapes[(n, len(inputs.sampling_req_ids))] += 1
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out)
+
+    def _step_tensors(
+        self, out: SchedulerOutput, inputs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | HybridMetadata]:
+        """An eager step's device inputs: input_ids [n], positions [n], and its metadata."""
+        dev = self.device
+        qsl_cpu = torch.from_numpy(inputs.query_start_loc)
+        seq_cpu = torch.from_numpy(inputs.seq_lens)
+        meta = AttentionMetadata(
+            num_reqs=len(inputs.req_ids),
+            num_actual_tokens=inputs.num_tokens,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            query_start_loc=qsl_cpu.to(dev),
+            seq_lens=seq_cpu.to(dev),
+            block_tables=torch.from_numpy(inputs.block_table).to(dev),
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+        )
+        step_meta: AttentionMetadata | HybridMetadata = meta
+        if self.layout is not None:
+            step_meta = self._hybrid_metadata(out, inputs, meta)
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
+        positions = torch.from_numpy(inputs.positions).to(dev)
+        return input_ids, positions, step_meta
+
+    # -- CUDA graphs (graph_runner.py) ---------------------------------------------------
+    def capture_decode_graphs(
+        self,
+        max_model_len: int,
+        max_num_seqs: int,
+        sizes: list[int] | None = None,
+        *,
+        capture: bool | None = None,
+    ) -> dict[str, Any]:
+        """Set up decode steps through padded persistent buffers, captured as CUDA graphs
+        on CUDA (after `initialize_cache`). Returns the report of
+        `graph_runner.build_decode_graphs` (capture=False: emulated, for tests)."""
+        self.graphs, report = build_decode_graphs(
+            self.model,
+            self.kv_caches,
+            self.device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            block_size=self.block_size,
+            sizes=sizes,
+            capture=capture,
+            hybrid=self.layout is not None,
+        )
+        return report
 
     def _verify(
         self, logits: torch.Tensor, req_ids: list[str], drafts: dict[str, list[int]]

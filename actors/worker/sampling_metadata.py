@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 
 _MIN_PENALTY_SLOTS = 8
 

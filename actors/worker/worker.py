@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spur.actors.engine.capacity import ModelGeometry
-from spur.actors.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from spur.actors.cache_spec import ModelGeometry
+from spur.actors.step import ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.loader import load_model
 from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
 
@@ -43,6 +43,10 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     state_dtype: str = "float32"
     """Storage dtype of recurrent states (hybrid models; float32 as transformers' cache)."""
+    cuda_graphs: bool = True
+    """Capture decode CUDA graphs in `capture_decode_graphs` (CUDA only)."""
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """Decode batch sizes to capture (None: cuda_graphs.capture_sizes' default)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +67,7 @@ class ModelInfo:
     model_dir: str
     geometry: ModelGeometry | None = None
     """Layer kinds and page sizes (this rank) of a hybrid model, whose cache groups the
-    engine builds with `capacity.build_groups`; None for plain attention models."""
+    engine builds with `cache_spec.build_groups`; None for plain attention models."""
 
 
 class Worker:
@@ -162,6 +166,17 @@ class Worker:
         assert self.runner is not None, "load_model first"
         return self.runner.execute_model(out)
 
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> dict[str, Any]:
+        """Capture the decode CUDA graphs (after `initialize_cache`) when the config asks
+        for them; returns the report of `ModelRunner.capture_decode_graphs`."""
+        assert self.runner is not None, "load_model first"
+        if not self.config.cuda_graphs:
+            return {"enabled": False, "captured": [], "capture_s": 0.0, "reason": "off"}
+        sizes = self.config.cuda_graph_batch_sizes
+        return self.runner.capture_decode_graphs(
+            max_model_len, max_num_seqs, list(sizes) if sizes else None
+        )
+
     def step_times(self) -> dict[str, Any]:
         assert self.runner is not None
         t = self.runner.times
@@ -171,6 +186,9 @@ class Worker:
             "logits_s": t.logits,
             "sample_s": t.sample,
             "steps": t.steps,
+            "graph_steps": sum(self.runner.graphs.steps_by_size.values())
+            if self.runner.graphs
+            else 0,
             "shapes": [[n, m, c] for (n, m), c in sorted(t.shapes.items())],
         }
 

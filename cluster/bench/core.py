@@ -9,7 +9,7 @@ are evicted). Two arms over the same requests:
   prefix, allocate the prefill, 64 x append one token + allocate, free), each
   op timed; requests/s = requests / total bookkeeping time. This is the trace
   on which vLLM 0.33's KVCacheManager does about 1,400 requests/s on this
-  machine class (DESIGN.md section 6).
+  machine class (docs/architecture.md, "Reference figures").
 - scheduler: the same requests through Scheduler + FakeExecutor (no KV
   simulation): whole engine steps, so it adds scheduling and output building.
 
@@ -27,12 +27,12 @@ import random
 import time
 from typing import Any
 
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
-from spur.actors.engine.request import Request
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.fake_executor import FakeExecutor
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig, KVCacheManager
+from spur.actors.engine.core.request import Request
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.step import SamplingParams
 
 VLLM_REFERENCE_RPS = 1400.0
 
@@ -158,7 +158,7 @@ def run_scheduler_arm(
 
 def run_hash_arms(prompts: list[list[int]], block_size: int) -> dict[str, Any]:
     """Ours vs the vLLM-style pickle hash, interleaved, same prompts."""
-    from spur.actors.engine.hashing import BlockHasher
+    from spur.actors.engine.core.hashing import BlockHasher
 
     hasher = BlockHasher(block_size)
     ours = base = 0.0

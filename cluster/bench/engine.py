@@ -19,9 +19,9 @@ process):
 
 Throughput is useful generated tokens (sum of requested outputs) per second of
 generation; model loading and a tiny warm-up are outside the timed region. The
-headline is the ratio spur / hf, measured side by side (DESIGN.md section 5:
-absolute times on a shared 2-core machine are noise). In fp32 the two arms'
-token ids are compared as well (greedy fp32 is batch-invariant there).
+headline is the ratio spur / hf, measured side by side (docs/architecture.md,
+"Facts the code relies on": absolute times on a shared 2-core machine are
+noise). In fp32 the two arms' token ids are compared as well (greedy fp32 is batch-invariant there).
 
 This module imports no torch (cluster/ never does): everything that touches
 tensors lives in `spur.actors.worker.hf_reference` and `spur.actors.llm`, imported
@@ -170,8 +170,8 @@ def run_spur_arm(
     shutting down: `matmul_s` is what the run would take if attention, norms,
     sampling and scheduling cost nothing.
     """
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
     from spur.actors.worker.hf_reference import PeakRss
 
     # The engine settings are the schema's (engine.* of a config file) but for these.
@@ -253,8 +253,8 @@ def prefix_hit_speedup(
     so a hit starts from the longest such point inside the shared prefix.)"""
     import statistics
 
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
     from spur.actors.worker.loader import load_config, resolve_model_dir
 
     vocab = int(load_config(resolve_model_dir(model)).get_text_config().vocab_size)

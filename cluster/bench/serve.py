@@ -153,8 +153,8 @@ async def _http_level(
 def _offline_level(
     engine_args: dict[str, Any], work: list[tuple[str, int]], concurrency: int
 ) -> dict[str, Any]:
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
 
     args = {**engine_args, "max_num_seqs": concurrency}
     model = args.pop("model")

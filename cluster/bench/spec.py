@@ -15,10 +15,11 @@ to that many, a new one joining as one finishes). One engine serves both arms
 (`LLM(num_speculative_tokens=k)`; the "off" arm takes its proposer away, so no
 request drafts and every step is an ordinary one); the prefix cache is reset
 before every arm. With `rounds` > 1 the arms alternate (off, on, on, off, ...)
-and each level reports the median of the per-round ratios on / off (DESIGN.md
-section 5: absolute speed on a shared machine is noise; back-to-back ratios are
-not). Tokens/s is generated tokens over the arm's wall time; ITL is the gap
-between a request's steps divided by the tokens that step gave it.
+and each level reports the median of the per-round ratios on / off
+(docs/architecture.md, "Facts the code relies on": absolute speed on a shared
+machine is noise; back-to-back ratios are not). Tokens/s is generated tokens
+over the arm's wall time; ITL is the gap between a request's steps divided by
+the tokens that step gave it.
 
 This module imports no torch (cluster/ never does); `spur.actors.llm` is
 imported inside `run`.
@@ -82,7 +83,7 @@ def chat_messages(n: int, seed: int) -> list[list[dict[str, str]]]:
 def drive(llm: Any, prompts: list[list[int]], params: Any, concurrency: int) -> dict[str, Any]:
     """Run `prompts` through the engine keeping up to `concurrency` in flight.
     Returns tokens/s, latency percentiles, draft counts and the token ids."""
-    from spur.actors.engine.output_processor import OutputProcessor
+    from spur.actors.engine.shell.output_processor import OutputProcessor
 
     processor = OutputProcessor(None)
     engine = llm.engine
@@ -163,8 +164,8 @@ def run(
     engine (on an oversubscribed machine 1 thread is far steadier than 2).
     Raises ValueError for an unknown workload.
     """
-    from spur.actors.engine.sampling_params import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
 
     unknown = set(workloads) - set(WORKLOADS)
     if unknown or not workloads:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spur.actors.engine.hashing import BlockHash, BlockHasher
+from spur.actors.engine.core.hashing import BlockHash, BlockHasher
 
 
 @dataclass(frozen=True)

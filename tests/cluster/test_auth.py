@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from spur.actors.engine.hashing import BlockHasher, tenant_salt
+from spur.actors.engine.core.hashing import BlockHasher, tenant_salt
 from spur.cluster.auth import (
     AuthConfigError,
     AuthGuard,

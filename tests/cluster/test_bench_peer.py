@@ -4,7 +4,7 @@ The real llama.cpp build takes 10 to 60 minutes on two loaded cores, too long fo
 CI even once: `test_real_llama_server` runs only with SPUR_TEST_LLAMA_CPP=1 (it
 builds, or reuses the cached build of, llama-server and llama-quantize). The HTTP
 client the bench uses is checked against a real `spur serve` in
-tests/e2e/test_bench_peer_client.py.
+tests/e2e/shared_server/test_bench_peer_client.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The OpenAI protocol layer: request parsing, sampling mapping, response shapes.
 
 The strongest checks run the official `openai` client against a fake transport
-whose handler is built only from `spur.cluster.protocol`: the client serialises
-its requests exactly as it does for api.openai.com, our parser reads them, our
-builders answer, and the client (plus `model_validate` of its response types)
-reads the answers back. No HTTP server, no Ray, no model.
+whose handler is built only from `spur.cluster.api_requests` and
+`spur.cluster.api_responses`: the client serialises its requests exactly as it
+does for api.openai.com, our parser reads them, our builders answer, and the
+client (plus `model_validate` of its response types) reads the answers back. No
+HTTP server, no Ray, no model.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import CompletionOutput, Logprobs, RequestOutput
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import RequestRejected
-from spur.cluster import protocol as P
+from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
+from spur.actors.engine.core.scheduler import RequestRejected
+from spur.actors.engine.shell.output_processor import Delta
+from spur.actors.step import Logprobs, SamplingParams
+from spur.cluster import api_requests as rq
+from spur.cluster import api_responses as rs
 from spur.cluster.errors import (
     ProtocolError,
     error_body,
@@ -79,22 +81,22 @@ class FakeServer:
     def _handle(self, http: httpx.Request) -> httpx.Response:
         path = http.url.path
         if path.endswith("/models"):
-            return httpx.Response(200, json=P.models_response([MODEL], max_model_len=64))
+            return httpx.Response(200, json=rs.models_response([MODEL], max_model_len=64))
         chat = path.endswith("/chat/completions")
-        cls = P.ChatCompletionRequest if chat else P.CompletionRequest
-        req = P.parse_request(cls, http.content)
-        model = P.resolve_model(req.model, [MODEL])
+        cls = rq.ChatCompletionRequest if chat else rq.CompletionRequest
+        req = rq.parse_request(cls, http.content)
+        model = rq.resolve_model(req.model, [MODEL])
         params = req.to_sampling_params(default_max_tokens=32)
         self.requests.append(req)
         self.sampling.append(params)
         num_prompts = 1 if chat else len(req.prompts())
         outputs = [fake_output(req.num_choices, rid=f"r{i}") for i in range(num_prompts)]
-        rid = P.make_id("chatcmpl" if chat else "cmpl")
-        created = P.now()
+        rid = rs.make_id("chatcmpl" if chat else "cmpl")
+        created = rs.now()
         prompt_tokens = len(PROMPT_IDS) * num_prompts
         if not req.stream:
             if chat:
-                body = P.chat_response(
+                body = rs.chat_response(
                     rid,
                     model,
                     created,
@@ -103,7 +105,7 @@ class FakeServer:
                     num_top_logprobs=req.num_top_logprobs,
                 )
             else:
-                body = P.completion_response(
+                body = rs.completion_response(
                     rid,
                     model,
                     created,
@@ -111,8 +113,8 @@ class FakeServer:
                     token_str=token_str,
                     num_top_logprobs=req.num_top_logprobs,
                 )
-            return httpx.Response(200, content=P.json_bytes(body))
-        stream = P.ChunkStream.for_request(
+            return httpx.Response(200, content=rs.json_bytes(body))
+        stream = rs.ChunkStream.for_request(
             req,
             request_id=rid,
             model=model,
@@ -120,12 +122,12 @@ class FakeServer:
             prompt_tokens=prompt_tokens,
             token_str=token_str,
         )
-        events = [P.sse(c) for c in stream.start()]
+        events = [rs.sse(c) for c in stream.start()]
         for pi, out in enumerate(outputs):
             for delta, lps in _deltas(out):
-                events += [P.sse(c) for c in stream.update(delta, lps, prompt_index=pi)]
-        events += [P.sse(c) for c in stream.finish(cached_tokens=2)]
-        events.append(P.sse_done())
+                events += [rs.sse(c) for c in stream.update(delta, lps, prompt_index=pi)]
+        events += [rs.sse(c) for c in stream.finish(cached_tokens=2)]
+        events.append(rs.sse_done())
         return httpx.Response(
             200, content=b"".join(events), headers={"content-type": "text/event-stream"}
         )
@@ -298,40 +300,40 @@ def test_client_models_and_errors(client: openai.OpenAI) -> None:
 # -- response shapes checked against openai's types ------------------------------------------
 def test_non_streaming_bodies_match_openai_types() -> None:
     out = fake_output(n=2)
-    body = P.completion_response("cmpl-1", MODEL, 1, out, token_str=token_str, num_top_logprobs=1)
+    body = rs.completion_response("cmpl-1", MODEL, 1, out, token_str=token_str, num_top_logprobs=1)
     parsed = Completion.model_validate(body)
     assert parsed.choices[1].text == "t11 t12 t13 " and parsed.usage.total_tokens == 9  # type: ignore[union-attr]
     assert body["choices"][1]["stop_reason"] == "\n"  # vLLM's extra field
-    chat = P.chat_response("chatcmpl-1", MODEL, 1, out, token_str=token_str, num_top_logprobs=2)
+    chat = rs.chat_response("chatcmpl-1", MODEL, 1, out, token_str=token_str, num_top_logprobs=2)
     parsed_chat = ChatCompletion.model_validate(chat)
     assert parsed_chat.choices[0].message.content == "t1 t2 t3 "
     # no token_str -> no logprobs, still valid
-    plain = P.chat_response("chatcmpl-2", MODEL, 1, out, prompt_tokens=11)
+    plain = rs.chat_response("chatcmpl-2", MODEL, 1, out, prompt_tokens=11)
     assert ChatCompletion.model_validate(plain).usage.prompt_tokens == 11  # type: ignore[union-attr]
     assert plain["choices"][0]["logprobs"] is None
-    models = P.models_response([MODEL, P.ModelCard(id="other", owned_by="me")])
+    models = rs.models_response([MODEL, rs.ModelCard(id="other", owned_by="me")])
     assert [Model.model_validate(m).id for m in models["data"]] == [MODEL, "other"]
 
 
 def test_logprob_formats_and_non_finite_values() -> None:
     lps = [Logprobs(-math.inf, [(99, -math.inf), (3, -1.0)]), Logprobs(-0.25, [(3, -0.25)])]
-    comp = P.completion_logprobs([99, 3], lps, token_str, text_offset=4, num_top=1)
+    comp = rs.completion_logprobs([99, 3], lps, token_str, text_offset=4, num_top=1)
     assert comp == {
         "tokens": ["é", "t3 "],
-        "token_logprobs": [P.MIN_LOGPROB, -0.25],
-        "top_logprobs": [{"é": P.MIN_LOGPROB}, {"t3 ": -0.25}],
+        "token_logprobs": [rs.MIN_LOGPROB, -0.25],
+        "top_logprobs": [{"é": rs.MIN_LOGPROB}, {"t3 ": -0.25}],
         "text_offset": [4, 5],
     }
-    chat = P.chat_logprobs([99], lps[:1], token_str)
+    chat = rs.chat_logprobs([99], lps[:1], token_str)
     assert chat["content"][0]["bytes"] == [0xC3, 0xA9]
     assert [t["token"] for t in chat["content"][0]["top_logprobs"]] == ["é", "t3 "]
-    json.loads(P.json_bytes(chat))  # finite, valid JSON
+    json.loads(rs.json_bytes(chat))  # finite, valid JSON
     with pytest.raises(ValueError):
-        P.chat_logprobs([1, 2], lps[:1], token_str)
+        rs.chat_logprobs([1, 2], lps[:1], token_str)
 
 
 def test_chunk_stream_skips_empty_deltas_and_finished_choices() -> None:
-    s = P.ChunkStream(chat=True, request_id="c", model=MODEL, created=1, n=1)
+    s = rs.ChunkStream(chat=True, request_id="c", model=MODEL, created=1, n=1)
     assert s.update(Delta("r", 0, "", [4], None)) == []  # text held back: nothing yet
     first = s.update(Delta("r", 0, "ab", [5], None))
     assert [c["choices"][0]["delta"] for c in first] == [
@@ -352,13 +354,13 @@ def test_chunk_stream_skips_empty_deltas_and_finished_choices() -> None:
 
 
 def test_sse_framing() -> None:
-    assert P.sse({"a": "é", "b": [1]}) == 'data: {"a":"é","b":[1]}\n\n'.encode()
-    assert P.sse("x\ny") == b"data: x\ndata: y\n\n"
-    assert P.sse_done() == b"data: [DONE]\n\n"
+    assert rs.sse({"a": "é", "b": [1]}) == 'data: {"a":"é","b":[1]}\n\n'.encode()
+    assert rs.sse("x\ny") == b"data: x\ndata: y\n\n"
+    assert rs.sse_done() == b"data: [DONE]\n\n"
     err = ProtocolError(400, "bad", param="n")
-    assert P.sse(error_body(err)).startswith(b'data: {"error":{"message":"bad"')
+    assert rs.sse(error_body(err)).startswith(b'data: {"error":{"message":"bad"')
     # cached_tokens is always reported, 0 included (clients read it unconditionally)
-    assert P.usage(3, 4) == {
+    assert rs.usage(3, 4) == {
         "prompt_tokens": 3,
         "completion_tokens": 4,
         "total_tokens": 7,
@@ -372,8 +374,8 @@ def chat_body(**fields: Any) -> dict[str, Any]:
 
 
 def test_every_completion_field_maps_to_sampling_params() -> None:
-    req = P.parse_request(
-        P.CompletionRequest,
+    req = rq.parse_request(
+        rq.CompletionRequest,
         {
             "prompt": [1, 2],
             "n": 3,
@@ -424,8 +426,8 @@ def test_every_completion_field_maps_to_sampling_params() -> None:
 
 
 def test_chat_fields_and_defaults() -> None:
-    req = P.parse_request(
-        P.ChatCompletionRequest,
+    req = rq.parse_request(
+        rq.ChatCompletionRequest,
         chat_body(
             max_tokens=5,
             logprobs=True,
@@ -442,18 +444,18 @@ def test_chat_fields_and_defaults() -> None:
     p = req.to_sampling_params(default_max_tokens=50)
     assert (p.max_tokens, p.logprobs, p.stop, p.seed) == (5, 3, ("a", "b"), 1)
     assert req.include_usage and req.num_top_logprobs == 3
-    bare = P.parse_request(P.ChatCompletionRequest, chat_body())
+    bare = rq.parse_request(rq.ChatCompletionRequest, chat_body())
     p = bare.to_sampling_params(default_max_tokens=50)
     assert (p.max_tokens, p.logprobs, p.n, p.temperature) == (50, None, 1, 1.0)
     assert not bare.include_usage and bare.num_top_logprobs is None
     # completions: OpenAI's default of 16, null -> the server default
-    assert P.CompletionRequest(prompt="x").to_sampling_params(50).max_tokens == 16
-    assert P.CompletionRequest(prompt="x", max_tokens=None).to_sampling_params(50).max_tokens == 50
+    assert rq.CompletionRequest(prompt="x").to_sampling_params(50).max_tokens == 16
+    assert rq.CompletionRequest(prompt="x", max_tokens=None).to_sampling_params(50).max_tokens == 50
 
 
 def test_prompt_shapes() -> None:
     def prompts(p: Any) -> list[Any]:
-        return P.parse_request(P.CompletionRequest, {"prompt": p}).prompts()
+        return rq.parse_request(rq.CompletionRequest, {"prompt": p}).prompts()
 
     assert prompts("hi") == ["hi"]
     assert prompts(["a", "b"]) == ["a", "b"]
@@ -464,14 +466,14 @@ def test_prompt_shapes() -> None:
 def test_unknown_fields_are_ignored_and_recorded() -> None:
     body = chat_body(metadata={"k": "v"}, store=False, reasoning_effort="low", top_k=3)
     body["messages"][0]["extra_thing"] = 1  # nested unknowns are ignored silently
-    req = P.parse_request(P.ChatCompletionRequest, json.dumps(body).encode())
+    req = rq.parse_request(rq.ChatCompletionRequest, json.dumps(body).encode())
     assert req.unknown_fields == ["metadata", "reasoning_effort", "store"]
     assert req.to_sampling_params(8).top_k == 3
 
 
 def test_chat_messages_for_the_template() -> None:
-    req = P.parse_request(
-        P.ChatCompletionRequest,
+    req = rq.parse_request(
+        rq.ChatCompletionRequest,
         {
             "messages": [
                 {"role": "system", "content": "s"},
@@ -490,7 +492,7 @@ def test_chat_messages_for_the_template() -> None:
         {"role": "assistant", "content": ""},
         {"role": "tool", "content": "r"},
     ]
-    assert req.model is None and P.resolve_model(req.model, [MODEL, "b"]) == MODEL
+    assert req.model is None and rq.resolve_model(req.model, [MODEL, "b"]) == MODEL
 
 
 BAD_REQUESTS = [
@@ -552,9 +554,9 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("endpoint", "body", "param", "words"), BAD_REQUESTS)
 def test_bad_requests_name_the_field(endpoint: str, body: Any, param: Any, words: str) -> None:
-    cls = P.ChatCompletionRequest if endpoint == "chat" else P.CompletionRequest
+    cls = rq.ChatCompletionRequest if endpoint == "chat" else rq.CompletionRequest
     with pytest.raises(ProtocolError) as info:
-        P.parse_request(cls, body)
+        rq.parse_request(cls, body)
     exc = info.value
     assert exc.status == 400 and exc.param == param
     assert words in exc.message
@@ -583,8 +585,8 @@ SAMPLING_ERRORS = [
 
 @pytest.mark.parametrize(("endpoint", "body", "param"), SAMPLING_ERRORS)
 def test_sampling_range_errors_name_the_openai_field(endpoint: str, body: Any, param: str) -> None:
-    cls = P.ChatCompletionRequest if endpoint == "chat" else P.CompletionRequest
-    req = P.parse_request(cls, body)
+    cls = rq.ChatCompletionRequest if endpoint == "chat" else rq.CompletionRequest
+    req = rq.parse_request(cls, body)
     with pytest.raises(ProtocolError) as info:
         req.to_sampling_params(default_max_tokens=16)
     assert info.value.status == 400 and info.value.param == param
@@ -592,22 +594,22 @@ def test_sampling_range_errors_name_the_openai_field(endpoint: str, body: Any, p
 
 
 def test_tokenize_and_detokenize() -> None:
-    t = P.parse_request(P.TokenizeRequest, {"model": MODEL, "prompt": "hi", "x": 1})
+    t = rq.parse_request(rq.TokenizeRequest, {"model": MODEL, "prompt": "hi", "x": 1})
     assert not t.is_chat and t.special_tokens and t.unknown_fields == ["x"]
-    c = P.parse_request(
-        P.TokenizeRequest,
+    c = rq.parse_request(
+        rq.TokenizeRequest,
         {"messages": [{"role": "developer", "content": "x"}], "add_generation_prompt": False},
     )
     assert c.is_chat and not c.special_tokens and not c.add_generation_prompt
     assert c.chat_messages() == [{"role": "system", "content": "x"}]
     for body in ({}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}):
         with pytest.raises(ProtocolError, match="exactly one of prompt or messages"):
-            P.parse_request(P.TokenizeRequest, body)
-    assert P.tokenize_response([1, 2], 64) == {"count": 2, "max_model_len": 64, "tokens": [1, 2]}
-    d = P.parse_request(P.DetokenizeRequest, {"tokens": [1, 2]})
-    assert d.tokens == [1, 2] and P.detokenize_response("ab") == {"prompt": "ab"}
+            rq.parse_request(rq.TokenizeRequest, body)
+    assert rs.tokenize_response([1, 2], 64) == {"count": 2, "max_model_len": 64, "tokens": [1, 2]}
+    d = rq.parse_request(rq.DetokenizeRequest, {"tokens": [1, 2]})
+    assert d.tokens == [1, 2] and rs.detokenize_response("ab") == {"prompt": "ab"}
     with pytest.raises(ProtocolError) as info:
-        P.parse_request(P.DetokenizeRequest, {"tokens": [1, -2]})
+        rq.parse_request(rq.DetokenizeRequest, {"tokens": [1, -2]})
     assert info.value.param == "tokens[1]"
 
 
@@ -624,7 +626,7 @@ def test_error_constructors() -> None:
         }
     }
     with pytest.raises(ProtocolError) as info:
-        P.resolve_model("gpt-9", ["tiny"])
+        rq.resolve_model("gpt-9", ["tiny"])
     assert info.value.status == 404
     qf = queue_full(2.2)
     assert qf.status == 429 and qf.headers == {"Retry-After": "3"}

@@ -209,7 +209,7 @@ def test_two_routers_agree(env: Env) -> None:
     prefix; requests through the two ingress replicas' routers find it there."""
     from ray import serve
 
-    from spur.actors.engine.hashing import BlockHasher
+    from spur.actors.engine.core.hashing import BlockHasher
 
     prefix = _prefix(2)
     ids = [*prefix, 5, 6]
@@ -511,7 +511,7 @@ def test_a_returning_node_takes_the_traffic_back(env: Env) -> None:
 def test_a_replica_that_fails_on_every_start_is_marked_down(env: Env) -> None:
     from ray import serve
 
-    from spur.actors.engine.actor import EngineReplica
+    from spur.actors.engine.shell.actor import EngineReplica
     from spur.cluster.routing.index_actor import get_index
 
     broken = serve.deployment(EngineReplica).options(

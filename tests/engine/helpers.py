@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import random
 
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.groups import (
-    FullAttentionSpec,
-    KVCacheGroup,
-    SlidingWindowSpec,
-    StateSpec,
-)
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.fake_executor import FakeExecutor
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.step import SamplingParams
 
 FULL = KVCacheGroup(FullAttentionSpec(2, 8, 2), 2)
 SLIDING = KVCacheGroup(SlidingWindowSpec(2, 8, 2, sliding_window=10), 2)

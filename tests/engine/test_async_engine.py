@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from spur.actors.engine.async_engine import AsyncEngine, EngineDeadError
-from spur.actors.engine.output_processor import Delta
-from spur.actors.engine.outputs import RequestOutput
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import RequestRejected
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.scheduler import RequestRejected
+from spur.actors.engine.shell.async_engine import AsyncEngine, EngineDeadError
+from spur.actors.engine.shell.output_processor import Delta
+from spur.actors.step import SamplingParams
 
 from .helpers import make_engine, prompts
 
@@ -150,8 +150,8 @@ def test_prefix_cache_reset_runs_on_the_engine_thread():
 
 # -- KV events for the router's index ---------------------------------------------------
 def test_event_batch_keeps_the_net_effect_in_order():
-    from spur.actors.engine.async_engine import event_batch
-    from spur.actors.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+    from spur.actors.engine.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+    from spur.actors.engine.shell.async_engine import event_batch
 
     a, b, c, d = b"a", b"b", b"c", b"d"
     batch = event_batch(

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from spur.actors.engine.block_pool import (
+from spur.actors.engine.core.block_pool import (
     AllBlocksCleared,
     BlockPool,
     BlockRemoved,

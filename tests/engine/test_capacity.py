@@ -8,12 +8,12 @@ import logging
 
 import pytest
 
-from spur.actors.engine import capacity as cap
-from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.groups import StateManager
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core import capacity as cap
+from spur.actors.engine.core.fake_executor import FakeExecutor
+from spur.actors.engine.core.groups import StateManager
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.step import SamplingParams
 from spur.cluster.cli import main
 
 # A Qwen3-Next-like hybrid: 8 full-attention layers, 32 Gated DeltaNet layers.
@@ -61,7 +61,7 @@ def test_hybrid_geometry_groups_and_padding_is_logged(caplog):
     conv = (2 * 16 * 128 + 32 * 128) * 3
     recurrent = 32 * 128 * 128
     assert groups[1].spec.state_bytes == (conv + recurrent) * 2
-    with caplog.at_level(logging.INFO, logger="spur.actors.engine.capacity"):
+    with caplog.at_level(logging.INFO, logger="spur.actors.engine.core.capacity"):
         r = cap.capacity(geo, block_size=800, max_model_len=131072, num_blocks=1000)
     attention_page = 2 * 800 * 2 * 256 * 2
     assert r.block_bytes == attention_page * 8
@@ -179,7 +179,7 @@ def test_hybrid_scenario_stays_within_the_formula_and_the_detector_is_silent():
 
 def test_leak_detector_fires_with_the_stop_at_null_loop(monkeypatch, caplog):
     monkeypatch.setattr(StateManager, "_retire", _stop_at_null_retire)
-    with caplog.at_level(logging.WARNING, logger="spur.actors.engine.kv_cache_manager"):
+    with caplog.at_level(logging.WARNING, logger="spur.actors.engine.core.kv_cache_manager"):
         sched, peak, bound = _run_hybrid()
     leaks = sched.kv.leaks
     assert leaks.num_violations == 1  # one request, reported once

@@ -1,4 +1,4 @@
-"""The one chat-templating function (actors/engine/chat_template.py) on SmolLM2's
+"""The one chat-templating function (actors/engine/shell/chat_template.py) on SmolLM2's
 real tokenizer and template."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from spur.actors.engine.chat_template import ChatTemplateError, chat_token_ids, render_chat
+from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids, render_chat
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from spur.actors.engine.detokenizer import IncrementalDetokenizer
+from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from spur.actors.engine.hashing import (
+from spur.actors.engine.core.hashing import (
     BlockHasher,
     MultiModalSpan,
     hash_block_tokens,
@@ -65,7 +65,7 @@ def test_seed_changes_the_chain():
 
 def test_hashes_are_identical_across_processes_and_hash_seeds():
     code = (
-        "from spur.actors.engine.hashing import BlockHasher;"
+        "from spur.actors.engine.core.hashing import BlockHasher;"
         "print(BlockHasher(16).chain(list(range(64)), cache_salt='s')[-1].hex())"
     )
     outs = set()

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import random
 
-from spur.actors.engine.groups import (
-    FullAttentionSpec,
-    KVCacheGroup,
-    SlidingWindowSpec,
-    StateSpec,
-)
-from spur.actors.engine.kv_cache_manager import KVCacheConfig, KVCacheManager
-from spur.actors.engine.request import Request
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig, KVCacheManager
+from spur.actors.engine.core.request import Request
+from spur.actors.step import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from spur.actors.engine.metrics import (
+from spur.actors.engine.shell.metrics import (
     EngineMetrics,
     Histogram,
     break_retirement,
@@ -15,7 +15,7 @@ from spur.actors.engine.metrics import (
     capacity_view,
     engine_info,
 )
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 
 from .helpers import FULL, SLIDING, STATE, make_engine, prompts
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from spur.actors.engine.actor import _in_own_thread
+from spur.actors.engine.shell.actor import _in_own_thread
 
 
 def test_the_engine_is_built_in_a_thread_that_then_exits() -> None:

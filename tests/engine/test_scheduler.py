@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.outputs import ModelRunnerOutput
-from spur.actors.engine.request import RequestStatus
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.request import RequestStatus
+from spur.actors.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from spur.actors.step import ModelRunnerOutput, SamplingParams
 
 from .helpers import FULL, SLIDING, STATE, assert_all_free, make_engine, prompts, run_all
 

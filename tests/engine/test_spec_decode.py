@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from spur.actors.engine.core import EngineCore
-from spur.actors.engine.executor import FakeExecutor
-from spur.actors.engine.groups import cdiv
-from spur.actors.engine.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.sampling_params import SamplingParams
-from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
-from spur.actors.engine.spec_decode import (
+from spur.actors.cache_spec import cdiv
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.fake_executor import FakeExecutor
+from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.spec_decode import (
     NgramIndex,
     NgramProposer,
     SpeculativeConfig,
     accepted_prefix,
     can_draft,
 )
+from spur.actors.step import SamplingParams
 from tests.engine.helpers import FULL, SLIDING, STATE, assert_all_free
 
 K = 4
@@ -207,7 +207,7 @@ def test_step_stats_count_each_verify_step_once():
 def test_metrics_count_drafts_and_render_under_vllms_names():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from spur.actors.engine.metrics import EngineMetrics
+    from spur.actors.engine.shell.metrics import EngineMetrics
     from spur.cluster.metrics import MetricsStore, render
     from spur.configs.loader import config_to_dict, parse_config
 

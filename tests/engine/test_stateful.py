@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 
 from .helpers import FULL, SLIDING, STATE, assert_all_free, make_engine
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from spur.actors.engine.metrics import EngineMetrics
+from spur.actors.engine.shell.metrics import EngineMetrics
 from spur.cluster.metrics import IngressCounters, MetricsStore, config_hash, render, route_of
 from spur.configs.loader import config_to_dict, parse_config
 

@@ -213,7 +213,7 @@ def smollm2_dir() -> Path:
 
 @pytest.mark.slow
 def test_smollm2_fp32_greedy_is_batch_invariant(smollm2_dir):
-    """DESIGN.md section 5's claim, on real text prompts of different lengths."""
+    """docs/architecture.md's first fact, on real text prompts of different lengths."""
     from spur.cluster.bench import engine
 
     prompts, _, source = engine.make_workload(smollm2_dir, num_requests=5, seed=7, quick=True)

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.llm import LLM
+from spur.actors.step import SamplingParams
 from spur.actors.worker.random_models import build_random_model
 
 MODELS = ("qwen3_5-test", "qwen3_next-test")
@@ -285,10 +285,10 @@ def test_prefill_stops_at_its_last_block_boundary(caching):
     """With state groups (and prefix caching), a prompt of 100 tokens in blocks of
     16 prefills 96 tokens, then the 4-token tail: the state after 96 tokens is
     kept and cacheable. Without caching there is nothing to keep: one chunk."""
-    from spur.actors.engine.executor import FakeExecutor
-    from spur.actors.engine.groups import FullAttentionSpec, KVCacheGroup, StateSpec
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.scheduler import Scheduler, SchedulerConfig
+    from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
+    from spur.actors.engine.core.fake_executor import FakeExecutor
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 
     groups = (
         KVCacheGroup(FullAttentionSpec(1, 1, 2), 1),

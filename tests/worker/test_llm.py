@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.llm import LLM
+from spur.actors.step import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 CONFIGS = {

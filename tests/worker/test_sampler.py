@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 from spur.actors.worker.sampler import Sampler, apply_top_k, apply_top_p
 from spur.actors.worker.sampling_metadata import RowValues, SamplerState
 

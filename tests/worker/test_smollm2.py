@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
 from spur.actors.llm import LLM
+from spur.actors.step import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spur.actors.engine.sampling_params import SamplingParams
+from spur.actors.step import SamplingParams
 from spur.actors.worker.sampler import Sampler
 from spur.actors.worker.sampling_metadata import SamplerState
 

@@ -1,0 +1,426 @@
+"""An EngineCore driven by its own thread, for asyncio callers (the Serve replica).
+
+    asyncio tasks ──add/abort──> inbox (thread-safe) ──> engine thread
+                                                          step(): schedule -> execute -> update
+    asyncio queues <──call_soon_threadsafe── deltas ─────┘
+
+Only the engine thread touches the core (it is not thread-safe); callers talk to
+it through the inbox and read per-request asyncio queues. The model forward runs
+on the engine thread, so the event loop stays free to accept requests and
+stream tokens while a step runs. A generator that is closed early (the client
+went away) aborts its request: its blocks return to the pool within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from spur.actors.engine.core.block_pool import AllBlocksCleared, BlockStored, KVEvent
+from spur.actors.engine.core.engine_core import EngineCore
+from spur.actors.engine.core.outputs import RequestOutput
+from spur.actors.engine.core.request import RequestStatus
+from spur.actors.engine.core.scheduler import check_token_ids
+from spur.actors.engine.shell.metrics import EngineMetrics
+from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
+from spur.actors.step import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the replica must be restarted."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+    cache_salt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _ResetPrefixCache:
+    done: asyncio.Future[None]
+
+
+@dataclass
+class _Snapshot:
+    done: asyncio.Future[tuple[int, list[bytes]]]
+
+
+@dataclass
+class _CheckIntegrity:
+    done: asyncio.Future[dict[str, int]]
+
+
+_Command = _Add | _Abort | _ResetPrefixCache | _Snapshot | _CheckIntegrity
+
+
+def event_batch(seq: int, events: list[KVEvent], group_id: int = 0) -> dict[str, Any]:
+    """The net effect of `events` on group `group_id`'s cached hashes, as one batch
+    for the KV index: {"seq", "cleared", "stored", "removed", "time"}. Applying
+    it = clear (if cleared), add stored, remove removed; a hash stored and then
+    evicted within the batch ends up in removed only, and the reverse in stored."""
+    last: dict[bytes, bool] = {}
+    cleared = False
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            last.clear()
+            cleared = True
+        elif ev.group_id == group_id:
+            present = isinstance(ev, BlockStored)
+            for h in ev.block_hashes:
+                last[h] = present
+    return {
+        "seq": seq,
+        "cleared": cleared,
+        "stored": [h for h, present in last.items() if present],
+        "removed": [h for h, present in last.items() if not present],
+        "time": time.time(),
+    }
+
+
+class AsyncEngine:
+    """Thread-owning wrapper of an EngineCore. Create it inside a running event
+    loop; `shutdown()` stops the thread (requests in flight are aborted).
+    `on_thread_start` runs first on the engine thread (per-thread settings such
+    as the number of OpenMP threads of the forward)."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Any | None,
+        *,
+        eos_token_id: int | None,
+        vocab_size: int | None = None,
+        idle_wait_s: float = 0.05,
+        on_thread_start: Callable[[], None] | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.core = core
+        self.metrics = metrics  # fed on the engine thread (None: metrics off)
+        self.scheduler = core.scheduler
+        self.processor = OutputProcessor(tokenizer)
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.num_steps = 0
+        self.last_stats: dict[str, Any] = {}
+        # KV event batches for the router's index, when the pool records events
+        # (engine thread appends, the replica's publisher pops; a full deque
+        # drops the oldest batch, which the index sees as a gap and resyncs).
+        self.publish_kv_events = core.scheduler.kv.pool.enable_kv_events
+        self.kv_batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
+        self._next_seq = 0
+        self._on_thread_start = on_thread_start
+        self._thread = threading.Thread(target=self._run, name="spur-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) -------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raise RequestRejected (naming the fix) for a prompt the engine can
+        never serve: too long, or a token id outside the vocabulary (which
+        would fail the whole step). Safe from any thread: it reads only
+        immutable config."""
+        self.scheduler.validate_prompt(len(prompt_token_ids))
+        if self.vocab_size is not None:
+            check_token_ids(prompt_token_ids, self.vocab_size)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[Delta | RequestOutput]:
+        """Stream a request's deltas, then its final RequestOutput. Raises
+        RequestRejected before anything runs, EngineDeadError if the engine
+        fails mid-way. Closing the generator early aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(self.dead_message)
+        self.validate(prompt_token_ids)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt))
+        done = False
+        pending: Delta | RequestOutput | Exception | None = None
+        try:
+            while True:
+                item = pending if pending is not None else await stream.get()
+                pending = None
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                if isinstance(item, RequestOutput):
+                    done = True
+                    yield item
+                    return
+                # Coalesce under back-pressure: when the consumer fell behind
+                # (a busy ingress or proxy), the deltas already queued for this
+                # completion go out as one. No latency is added otherwise.
+                while not stream.empty() and item.finish_reason is None:
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, Delta) and nxt.index == item.index:
+                        item = _merge(item, nxt)
+                    else:
+                        pending = nxt
+                        break
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests whose stream is open (event loop thread)."""
+        return list(self._streams)
+
+    def fail(self, request_id: str, exc: Exception) -> bool:
+        """End an open request's stream with `exc` (its `generate` raises it) and abort
+        the request: its blocks return to the pool within one step. Call from the event
+        loop thread. Returns False when the request has no open stream."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.put_nowait(exc)
+        self._inbox.put(_Abort(request_id))
+        return True
+
+    async def check_integrity(self) -> dict[str, int]:
+        """Run the scheduler's and the KV pool's `check_integrity()` on the engine thread
+        (between steps). Returns {"num_requests", "num_free_blocks", "num_blocks"};
+        raises AssertionError (from the check) when the bookkeeping is broken."""
+        done: asyncio.Future[dict[str, int]] = self._loop.create_future()
+        self._inbox.put(_CheckIntegrity(done))
+        return await done
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash, on the engine thread (between steps)."""
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._inbox.put(_ResetPrefixCache(done))
+        await done
+
+    async def snapshot(self) -> tuple[int, list[bytes]]:
+        """(seq, every cached hash of group 0) as of event batch `seq`, taken on the
+        engine thread: the index replaces its view with it and applies later batches."""
+        done: asyncio.Future[tuple[int, list[bytes]]] = self._loop.create_future()
+        self._inbox.put(_Snapshot(done))
+        return await done
+
+    def take_kv_batches(self) -> list[dict[str, Any]]:
+        """The KV event batches not taken yet, oldest first."""
+        out = []
+        while self.kv_batches:
+            out.append(self.kv_batches.popleft())
+        return out
+
+    @property
+    def dead_message(self) -> str:
+        """What clients are told once the engine failed (no traceback: that
+        stays in the replica's log)."""
+        last = (self.error or "").strip().splitlines()[-1:] or ["unknown error"]
+        return f"the engine failed ({last[0]}); it is being restarted, retry shortly"
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # -- engine thread ------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: Delta | RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _deliver_many(self, items: list[Delta | RequestOutput]) -> None:
+        for item in items:
+            self._deliver(item.request_id, item)
+
+    def _send(self, request_id: str, item: Delta | RequestOutput | Exception) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _apply(self, cmd: _Command) -> None:
+        sched = self.scheduler
+        if isinstance(cmd, _ResetPrefixCache):
+            sched.kv.reset_prefix_cache()
+            self._flush_kv_events()
+            self._loop.call_soon_threadsafe(cmd.done.set_result, None)
+            return
+        if isinstance(cmd, _Snapshot):
+            self._flush_kv_events()
+            hashes = list(sched.kv.pool.cached[0]) if sched.kv.pool.cached else []
+            self._loop.call_soon_threadsafe(cmd.done.set_result, (self._next_seq - 1, hashes))
+            return
+        if isinstance(cmd, _CheckIntegrity):
+            try:
+                sched.check_integrity()
+                report = {
+                    "num_requests": len(sched.requests),
+                    "num_free_blocks": sched.kv.num_free_blocks,
+                    "num_blocks": sched.kv.pool.num_blocks,
+                }
+            except Exception as exc:  # reported to the caller, the engine goes on
+                self._loop.call_soon_threadsafe(cmd.done.set_exception, exc)
+            else:
+                self._loop.call_soon_threadsafe(cmd.done.set_result, report)
+            return
+        if isinstance(cmd, _Abort):
+            if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
+                sched.abort_requests(cmd.request_id)
+                self.processor.abort(cmd.request_id)
+                if self.metrics is not None:
+                    self.metrics.on_abort(cmd.request_id)
+            return
+        try:
+            request = sched.make_request(
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                eos_token_id=self.eos_token_id,
+                priority=cmd.priority,
+                cache_salt=cmd.cache_salt,
+            )
+            sched.add_request(request)
+        except ValueError as exc:
+            self._send(cmd.request_id, exc)
+            return
+        self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params)
+        if self.metrics is not None:
+            self.metrics.on_add(cmd.request_id, len(cmd.prompt_token_ids))
+
+    def _run(self) -> None:
+        try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
+            while not self._stop.is_set():
+                if self.core.has_unfinished_requests():
+                    cmds = self._drain()
+                else:  # idle: block until work arrives
+                    try:
+                        cmds = [self._inbox.get(timeout=self.idle_wait_s), *self._drain()]
+                    except queue.Empty:
+                        continue
+                for cmd in cmds:
+                    if cmd is None:  # the stop signal
+                        return
+                    self._apply(cmd)
+                if self.core.has_unfinished_requests():
+                    self._step()
+        except Exception:  # the engine is unusable: fail every stream loudly
+            self.error = traceback.format_exc()
+            logger.error("engine thread failed:\n%s", self.error)
+            for rid in list(self._streams):
+                self._send(rid, EngineDeadError(self.dead_message))
+        finally:
+            for rid in list(self.scheduler.requests):
+                self.scheduler.abort_requests(rid)
+
+    def _drain(self) -> list[_Command | None]:
+        cmds: list[_Command | None] = []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outputs, stats = self.core.step()
+        self.num_steps += 1
+        update = self.processor.process(outputs)
+        if update.to_finish:
+            self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
+        if self.metrics is not None:
+            self.metrics.on_step(outputs, stats, self.scheduler)
+            for rid in update.to_finish:
+                self.metrics.finish(rid, "stop")
+        # One hand-over per step, not one per request: each wakes the event loop
+        # thread, which then competes with this thread's forward for the GIL.
+        items: list[Delta | RequestOutput] = [*update.deltas, *update.finished]
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver_many, items)
+        self._flush_kv_events()
+        self.last_stats = {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage,
+            "num_free_blocks": stats.num_free_blocks,
+            "total_preemptions": stats.total_preemptions,
+            "kv_leak_violations": stats.kv_leak_violations,
+            "step_seconds": time.perf_counter() - t0,
+        }
+
+    def _flush_kv_events(self) -> None:
+        if not self.publish_kv_events:
+            return
+        events = self.scheduler.kv.take_events()
+        if events:
+            self.kv_batches.append(event_batch(self._next_seq, events))
+            self._next_seq += 1
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot (read from another thread: values may be one step old)."""
+        kv = self.scheduler.kv
+        return {
+            **self.last_stats,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_blocks": kv.pool.num_blocks,
+            "prefix_queries_total": kv.prefix_stats.total_queries,
+            "prefix_hits_total": kv.prefix_stats.total_hits,
+            "num_steps": self.num_steps,
+            "alive": self.alive,
+        }
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    """Two consecutive deltas of one completion as one."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return Delta(
+        a.request_id,
+        a.index,
+        a.text + b.text,
+        a.token_ids + b.token_ids,
+        b.finish_reason,
+        b.stop_reason,
+        logprobs,
+    )

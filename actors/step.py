@@ -1,0 +1,254 @@
+"""The step contract: what crosses between the engine core and the workers.
+
+    schedule()          -> SchedulerOutput      what to compute this step
+    execute_model(out)  -> ModelRunnerOutput    what was sampled
+    update_from_output  -> per-request outputs  (engine side: `engine/core/outputs.py`)
+
+The engine (`actors/engine/`) builds `SchedulerOutput`s and reads
+`ModelRunnerOutput`s; the workers (`actors/worker/`) do the opposite, behind the
+`Executor` interface. Both import this module and neither imports the other.
+`SamplingParams` travels inside `NewRequestData`: the core reads the fields that
+decide when a request ends, the worker's sampler the rest.
+
+A worker keeps per-request state between steps, so SchedulerOutput sends a
+request in full once (when it is first scheduled, or resumed after preemption)
+and afterwards only what changed.
+
+Pure data and an abstract class: this module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# -- sampling parameters -----------------------------------------------------------------
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range. The message names the parameter,
+    the value and the allowed range, so that an HTTP layer can pass it on."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; immutable once built.
+
+    Raises `SamplingParamsError` (a ValueError) naming the first bad parameter.
+    """
+
+    n: int = 1
+    """Independent completions of the prompt (forks sharing its KV blocks)."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it. Range [0, 100]."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose mass >= top_p. (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 (or -1) disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top one. [0, 1]."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever the batch."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated. [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of generated tokens. [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of prompt and output tokens. (0, 2]."""
+    max_tokens: int = 16
+    """Most tokens to generate (>= 1)."""
+    min_tokens: int = 0
+    """Stop tokens and EOS are suppressed until this many tokens exist (<= max_tokens)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on the detokenized text (not part of the output)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the request (in addition to EOS unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Keep generating through the model's EOS token."""
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token and of the top-N ones. [0, 20]."""
+    prompt_logprobs: int | None = None
+    """Not supported yet; must stay None."""
+    skip_special_tokens: bool = True
+    """Detokenization option, passed through."""
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+    """Free-form fields a front end wants carried along (never read by the core)."""
+
+    def __post_init__(self) -> None:
+        # Normalise lists to tuples so that the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be an integer, not a boolean")
+
+        def bad(param: str, value: object, allowed: str) -> SamplingParamsError:
+            return SamplingParamsError(param, f"{param}={value!r} is invalid: allowed {allowed}")
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            raise bad("n", self.n, "an integer in [1, 128]")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", self.temperature, "[0, 100] (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "(0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "an integer >= 0 (0 or -1 disables)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "[0, 1]")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise bad("seed", self.seed, "an integer in [0, 2**63)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "[-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "[-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "(0, 2]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(
+                "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20
+        ):
+            raise bad("logprobs", self.logprobs, "an integer in [0, 20] or null")
+        if self.prompt_logprobs is not None:
+            raise bad(
+                "prompt_logprobs", self.prompt_logprobs, "null (prompt logprobs are not supported)"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def with_changes(self, **changes: object) -> SamplingParams:
+        """A validated copy with some fields replaced (for example n=1 for forks)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+# -- scheduler output / model-runner output ----------------------------------------------
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or dropped at preemption): all of it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens already generated (non-empty only when resuming after preemption);
+    # the worker recomputes their KV from `num_computed_tokens`.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Per KV-cache group, the request's whole block table (0 = null block).
+    block_ids: list[list[int]]
+    # Tokens whose KV is already in the cache (prefix hit); compute from here.
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds, as parallel lists (one entry each)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Tokens appended since the request was last scheduled (sampled outputs).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request, per group: block ids appended to the table this step
+    # (None when nothing was appended in any group).
+    new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Per request, per group: the length to cut the block table to BEFORE appending
+    # `new_block_ids` (blocks of rejected draft tokens went back to the pool); None
+    # when nothing was cut. Empty when no request was cut (the common case).
+    block_table_lengths: list[list[int] | None] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Token counts are per request; their sum is the batch."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (prefill chunk, 1 for decode, ...).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> draft tokens to verify this step (speculative decoding).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that ended since the last step: the worker drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: the worker drops their state;
+    # they come back later as new requests.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # (src, dst) block copies to apply to every layer's cache BEFORE the
+    # forward (copy-on-write of a forked request's partly filled block).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of one sampled token: its own and the top-N."""
+
+    sampled: float
+    top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker computed. Every scheduled request has an entry; a
+    request in the middle of its prefill gets an empty list (no token)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[Logprobs]] | None = None
+
+
+# -- the executor interface ----------------------------------------------------------------
+class Executor(abc.ABC):
+    """Runs one step's model work for an engine."""
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled tokens; sample for requests that completed
+        their scheduled context. Must handle an empty schedule (state updates
+        only: finished / preempted ids)."""
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call `method` on every worker; returns one result per worker."""
+        fn = getattr(self, method) if isinstance(method, str) else method
+        return [fn(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        """Release workers and devices (idempotent)."""
+        return None

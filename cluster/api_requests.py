@@ -1,0 +1,616 @@
+"""OpenAI-compatible API shapes, incoming: request models, parsing, the mapping
+to `SamplingParams`, and their JSON Schemas for /openapi.json. No HTTP, no Ray,
+no tensors.
+
+One request's way through this module (the ingress does the I/O around it):
+
+    body bytes --parse_request--> CompletionRequest | ChatCompletionRequest
+                                     .prompts() / .chat_messages()   -> tokenizer
+                                     .to_sampling_params(default)    -> engine
+
+Field names follow OpenAI's API exactly; a few vLLM request extras (`top_k`,
+`min_p`, ...) are added where vLLM adds them. The outgoing side (response
+bodies, SSE chunks) is `cluster/api_responses.py`.
+
+Every failure is a `ProtocolError` (see cluster/errors.py) whose message names
+the field and the fix; nothing here answers 500 for any input.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from spur.actors.step import SamplingParams, SamplingParamsError
+from spur.cluster.errors import (
+    FieldError,
+    ProtocolError,
+    from_sampling_params_error,
+    from_validation_error,
+    malformed_json,
+    model_not_found,
+)
+
+if TYPE_CHECKING:
+    pass
+
+# JSON types without coercion: "1" is not an int, true is not 1, 1.5 is not an int
+# (an int is a valid float, as in JSON Schema).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = StrictBool
+Str = StrictStr
+
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's bound on `logprobs` of /v1/completions."""
+MAX_CHAT_TOP_LOGPROBS = 20
+"""OpenAI's bound on `top_logprobs` of /v1/chat/completions."""
+MAX_STOP_STRINGS = 4
+"""OpenAI's bound on the number of stop strings."""
+
+
+# -- request models ----------------------------------------------------------------------
+class _Nested(BaseModel):
+    """Objects inside a request: unknown keys are ignored (clients add fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Nested):
+    include_usage: Bool | None = False
+    """Send a last chunk with empty `choices` and the request's `usage`."""
+
+
+class TextPart(_Nested):
+    """One part of a message's content; only text parts are supported."""
+
+    type: Str
+    text: Str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> TextPart:
+        if self.type != "text":
+            raise FieldError(
+                ("type",),
+                f"content parts of type {self.type!r} are not supported (text only): "
+                "send the content as a string or as {'type': 'text', 'text': ...} parts",
+            )
+        if self.text is None:
+            raise FieldError(("text",), "a text part needs its 'text'")
+        return self
+
+
+class ChatMessage(_Nested):
+    """One message of a conversation. `developer` is OpenAI's newer name for `system`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[TextPart] | None = None
+    """A string, or text parts (joined with newlines). Only an assistant message
+    may omit it."""
+    name: Str | None = None
+    tool_call_id: Str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str | list):
+            raise FieldError((), "must be a string or a list of text parts")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise FieldError(("content",), f"a {self.role} message needs its content")
+        if self.tool_calls:
+            raise FieldError(
+                ("tool_calls",), "tool calls are not supported: remove them from the history"
+            )
+        return self
+
+    def text(self) -> str:
+        """The content as one string (text parts joined with "\\n", as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class ResponseFormat(_Nested):
+    type: Literal["text", "json_object", "json_schema"]
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ResponseFormat:
+        if self.type != "text":
+            raise FieldError(
+                ("type",),
+                f"{self.type!r} is not supported (no structured output): remove "
+                "response_format or use {'type': 'text'}",
+            )
+        return self
+
+
+def _unsupported(fix: str, what: str = "this field") -> FieldError:
+    return FieldError((), f"{what} is not supported: {fix}")
+
+
+class _TopLevel(BaseModel):
+    """A request body. Unknown top-level fields are accepted and ignored (OpenAI
+    clients send fields this server does not know); `unknown_fields` names them
+    so that the ingress can log them. Known fields are type-checked strictly (a
+    string is not a number)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Top-level fields this server does not know (ignored), sorted."""
+        return sorted(self.model_extra or {})
+
+
+class _Request(_TopLevel):
+    """Fields common to completions and chat completions. Value ranges are
+    checked by `SamplingParams`, in `to_sampling_params`."""
+
+    model: Str | None = None
+    """Served model name; null picks the default (see `resolve_model`)."""
+    n: Int | None = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Str | list[Str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    user: Str | None = None
+    # vLLM extras
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int | None = None
+    ignore_eos: Bool | None = None
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool | None = None
+    priority: Int | None = None
+    """Scheduling priority (lower runs first, as in vLLM); carried in `extra`."""
+    cache_salt: Str | None = None
+    """Separates this request's prefix-cache entries from others'; carried in `extra`."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        """stop: a string, or a list of at most 4 strings (or null)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise FieldError((), "must be a string or a list of strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise FieldError((), f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise _unsupported("remove it")
+        return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _Request:
+        if self.stream_options is not None and not self.stream:
+            raise FieldError(
+                ("stream_options",), "only allowed with stream=true: remove it or set stream"
+            )
+        return self
+
+    # -- derived values ----------------------------------------------------------------
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+    def _max_tokens(self, default_max_tokens: int) -> tuple[int, str]:
+        """(value, OpenAI field name it came from)."""
+        raise NotImplementedError
+
+    def _logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """How many top alternatives to return per token; None = no logprobs."""
+        return self._logprobs()
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Every sampling field mapped onto a new SamplingParams (pure).
+
+        `default_max_tokens` applies when the request sets no max tokens (the
+        ingress passes max_model_len minus the prompt's length, or a config
+        default). Raises ProtocolError (400) naming the request's field when a
+        value is out of range.
+        """
+        max_tokens, max_name = self._max_tokens(default_max_tokens)
+        kwargs: dict[str, Any] = {"n": self.num_choices, "max_tokens": max_tokens}
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_tokens",
+            "ignore_eos",
+            "skip_special_tokens",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.stop is not None:
+            kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop_token_ids is not None:
+            kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        kwargs["logprobs"] = self._logprobs()
+        extra = {k: getattr(self, k) for k in ("user", "priority", "cache_salt")}
+        kwargs["extra"] = {k: v for k, v in extra.items() if v is not None}
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as exc:
+            raise from_sampling_params_error(exc, self._param_names(max_name)) from exc
+
+    def _param_names(self, max_name: str) -> dict[str, str]:
+        return {"max_tokens": max_name}
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: Str | list[Str] | list[Int] | list[list[Int]]
+    """Text, texts, token ids, or lists of token ids (one request per prompt)."""
+    max_tokens: Int | None = 16
+    """OpenAI's default is 16; null means `default_max_tokens`."""
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: Bool | None = False
+    best_of: Int | None = None
+    suffix: Str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        shape = (
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
+        if isinstance(value, str):
+            if not value:
+                raise FieldError((), "must not be empty")
+            return value
+        if not isinstance(value, list):
+            raise FieldError((), shape)
+        if not value:
+            raise FieldError((), "must not be empty")
+        if all(isinstance(p, str) for p in value):
+            for i, p in enumerate(value):
+                if not p:
+                    raise FieldError((i,), "must not be empty")
+        elif all(_is_token_id(t) for t in value):
+            _check_token_ids(value, ())
+        elif all(isinstance(p, list) for p in value):
+            for i, ids in enumerate(value):
+                if not ids:
+                    raise FieldError((i,), "must not be empty")
+                _check_token_ids(ids, (i,))
+        else:
+            raise FieldError((), shape)
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("remove echo or set it to false", "echo=true (returning the prompt)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("remove it", "suffix (insertion)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise FieldError(
+                ("best_of",),
+                f"best_of={self.best_of} is not supported: only best_of equal to n "
+                f"({self.num_choices}) or null",
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one engine request each: texts or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        ids = [x for x in p if isinstance(x, int)]
+        if len(ids) == len(p):
+            return [ids]  # one prompt of token ids
+        out: list[str | list[int]] = []
+        for x in p:
+            if isinstance(x, str | list):
+                out.append(x if isinstance(x, str) else list(x))
+        return out
+
+    def _max_tokens(self, default_max_tokens: int) -> tuple[int, str]:
+        value = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return value, "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: Int | None = None
+    """Deprecated by OpenAI in favour of max_completion_tokens, which wins."""
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: Bool | None = None
+    """Accepted and ignored (there are no tools)."""
+    # vLLM extras for the chat template
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise _unsupported("remove tools / functions", "tool calling")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none", "auto"):
+            raise _unsupported("remove it or use 'none'", "tool calling")
+        return value
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if not self.messages:
+            raise FieldError(("messages",), "must hold at least one message")
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError(("top_logprobs",), "needs logprobs=true: set it or remove this")
+        _check_chat_options(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """[{"role", "content": str}] for the tokenizer's chat template
+        (`developer` becomes `system`, which templates know)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    def _max_tokens(self, default_max_tokens: int) -> tuple[int, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        if self.max_tokens is not None:
+            return self.max_tokens, "max_tokens"
+        return default_max_tokens, "max_completion_tokens"
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _param_names(self, max_name: str) -> dict[str, str]:
+        return {"max_tokens": max_name, "logprobs": "top_logprobs"}
+
+
+def _check_chat_options(
+    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+) -> None:
+    """The chat template's options, checked before templating (400 naming them)."""
+    if not messages:
+        raise FieldError(("messages",), "must hold at least one message")
+    if add_generation_prompt and continue_final_message:
+        raise FieldError(
+            ("continue_final_message",),
+            "cannot be combined with add_generation_prompt=true: set one of them to false",
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise FieldError(
+            ("continue_final_message",), "needs the last message to be the assistant's"
+        )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(ids: list[Any], path: tuple[int | str, ...]) -> None:
+    for i, t in enumerate(ids):
+        if not _is_token_id(t) or t < 0:
+            raise FieldError((*path, i), f"token ids must be integers >= 0, got {t!r}")
+
+
+class TokenizeRequest(_TopLevel):
+    """POST /tokenize: either {"prompt"} or {"messages"} (chat template applied)."""
+
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool | None = None
+    """Default: true for a prompt, false for messages (the template adds them)."""
+    return_token_strs: Bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError(("prompt",), "send exactly one of prompt or messages")
+        if self.messages is not None:
+            _check_chat_options(
+                self.messages, self.add_generation_prompt, self.continue_final_message
+            )
+        elif self.continue_final_message:
+            raise FieldError(("continue_final_message",), "only applies to messages")
+        return self
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether to add the tokenizer's special tokens (BOS, ...)."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return not self.is_chat
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """As `ChatCompletionRequest.chat_messages`; [] for a prompt."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages or []
+        ]
+
+
+class DetokenizeRequest(_TopLevel):
+    """POST /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+
+    model: Str | None = None
+    tokens: list[Int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        _check_token_ids(value, ())
+        return value
+
+
+class ResetPrefixCacheRequest(_TopLevel):
+    """POST /admin/reset_prefix_cache: {"lane": name} for one lane, {"replica_id": id}
+    for one replica, {} for all."""
+
+    lane: Str | None = None
+    replica_id: Str | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(model_cls: type[M], body: bytes | str | dict[str, Any]) -> M:
+    """Parse and validate a request body. Raises ProtocolError (400) for bad
+    JSON (including NaN / Infinity, which JSON does not have), a body that is
+    not an object, or a field of the wrong type or value, naming the field."""
+    if isinstance(body, bytes | str):
+        try:
+            data = json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise malformed_json(str(exc) or type(exc).__name__) from None
+    else:
+        data = body
+    if not isinstance(data, dict):
+        raise ProtocolError(
+            400, f"the request body must be a JSON object, got {type(data).__name__}"
+        )
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def resolve_model(requested: str | None, served: Sequence[str]) -> str:
+    """The served model a request names: `requested` if served, the first served
+    one when the request names none. Raises ProtocolError 404 otherwise."""
+    if requested is None and served:
+        return served[0]
+    if requested is not None and requested in served:
+        return requested
+    raise model_not_found(str(requested), list(served))
+
+
+# -- OpenAPI -----------------------------------------------------------------------------
+REQUEST_MODELS: dict[str, type[BaseModel]] = {}
+"""Route path -> the request model its body must match (published in /openapi.json)."""
+
+
+def _register_request_models() -> None:
+    REQUEST_MODELS.update(
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+            "/admin/reset_prefix_cache": ResetPrefixCacheRequest,
+        }
+    )
+
+
+_register_request_models()
+
+
+def request_schemas(served_models: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """JSON Schemas of every request model and the models they nest, keyed by
+    model name, with references as `#/components/schemas/NAME` (an OpenAPI
+    document's components). `model` is narrowed to the served names (or null),
+    so that a generated client or a fuzzer forms requests that reach an engine.
+    Pure."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls in REQUEST_MODELS.values():
+        schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.pop("$defs", {}).items():
+            out.setdefault(name, sub)
+        if served_models and "model" in schema.get("properties", {}):
+            schema["properties"]["model"] = {
+                "anyOf": [{"type": "string", "enum": list(served_models)}, {"type": "null"}],
+                "default": None,
+                "description": "A served model name (GET /v1/models); null: the first one.",
+            }
+        out[cls.__name__] = schema
+    return out
+
+
+def openapi_request_body(path: str, required: bool = True) -> dict[str, Any]:
+    """The `requestBody` of a route's OpenAPI operation (for `openapi_extra`)."""
+    name = REQUEST_MODELS[path].__name__
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }

@@ -1,0 +1,168 @@
+"""API keys, tenants and per-key limits on a real `spur serve` with keys
+(conftest's `keyed_server`: one tiny lane, keys in SPUR_API_KEYS as the Helm
+chart exports them; the keys are listed there)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.keyed_server.conftest import KEYS, KeyedServer
+
+pytestmark = pytest.mark.slow
+
+
+def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_routes_need_a_key_of_the_right_role(keyed_server: KeyedServer) -> None:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    with (
+        keyed_server.client(None) as anon,
+        keyed_server.client("alice") as alice,
+        keyed_server.client("ops") as ops,
+    ):
+        for method, path, payload in (
+            ("POST", "/v1/completions", body),
+            ("POST", "/v1/chat/completions", {"model": "tiny", "messages": []}),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"model": "tiny", "prompt": "hi"}),
+            ("POST", "/detokenize", {"model": "tiny", "tokens": [1]}),
+            ("GET", "/admin/config", None),
+            ("POST", "/admin/reset_prefix_cache", {}),
+        ):
+            r = anon.request(method, path, json=payload)
+            error = error_of(r, 401)
+            assert error["code"] == "missing_api_key", (path, error)
+            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+        wrong = anon.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-x"})
+        assert error_of(wrong, 401)["code"] == "invalid_api_key"
+        assert "sk-x" not in wrong.text
+        # open: health (and /metrics, when served) never ask for a key
+        assert anon.get("/health").status_code == 200
+        assert anon.get("/metrics").status_code != 401
+        # roles
+        assert alice.post("/v1/completions", json=body).status_code == 200
+        assert error_of(alice.get("/admin/config"), 403)["code"] == "admin_key_required"
+        assert error_of(ops.post("/v1/completions", json=body), 403)["code"] == "api_key_required"
+        config = ops.get("/admin/config")
+        assert config.status_code == 200
+        assert config.json()["server"]["auth"]["keys_env"] == "SPUR_API_KEYS"
+        assert not any(key in config.text for key in KEYS.values())
+
+
+def test_official_client_with_a_key_and_cached_tokens_always_present(
+    keyed_server: KeyedServer,
+) -> None:
+    from openai import AuthenticationError, OpenAI
+
+    base = f"{keyed_server.url}/v1"
+    client = OpenAI(base_url=base, api_key=KEYS["bob"], max_retries=0, timeout=120.0)
+    out = client.completions.create(model="tiny", prompt="A fresh prompt 9041", max_tokens=3)
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # present, 0 included
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hey 9042"}], max_tokens=3
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    stream = client.completions.create(
+        model="tiny",
+        prompt="Another fresh prompt 9043",
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert usage and usage[-1].prompt_tokens_details.cached_tokens == 0
+    bad = OpenAI(base_url=base, api_key="sk-not-a-key", max_retries=0)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+
+
+def _cached(client: httpx.Client, prompt: list[int], **extra: Any) -> int:
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, **extra}
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_tenants_never_share_prefix_cache_blocks(keyed_server: KeyedServer) -> None:
+    """The same 2k-token prompt: a second tenant gets no hit, the same tenant
+    (another key of it included) does; cache_salt still separates within a tenant."""
+    prompt = [(7 * i) % 40000 + 100 for i in range(2000)]
+    with (
+        keyed_server.client("alice") as alice,
+        keyed_server.client("alice2") as alice2,
+        keyed_server.client("bob") as bob,
+    ):
+        assert _cached(alice, prompt) == 0
+        assert _cached(bob, prompt) == 0  # another tenant: no hit, no timing side channel
+        hit = _cached(alice2, prompt)  # the same tenant, another key: shares
+        assert hit >= 2000 - 16, hit
+        assert _cached(bob, prompt) >= 2000 - 16  # bob's own earlier request
+        assert _cached(alice, prompt, cache_salt="private") == 0
+        assert _cached(alice2, prompt, cache_salt="private") >= 2000 - 16
+
+
+def test_max_concurrent_requests_per_key_is_429_with_retry_after(keyed_server: KeyedServer) -> None:
+    long = {
+        "model": "tiny",
+        "prompt": "Count:",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with keyed_server.client("solo") as solo, keyed_server.client("bob") as bob:
+        with solo.stream("POST", "/v1/completions", json=long) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            second = solo.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+            error = error_of(second, 429)
+            assert error["code"] == "concurrency_limit_exceeded"
+            assert int(second.headers["Retry-After"]) >= 1
+            # other keys are not limited by solo's lease
+            assert bob.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).is_success
+        # the first stream is closed (client went away): its lease comes back
+        deadline = time.monotonic() + 30
+        while True:
+            r = solo.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+            if r.status_code == 200:
+                break
+            assert r.status_code == 429 and time.monotonic() < deadline, r.text
+            time.sleep(0.2)
+
+
+def test_tokens_per_minute_per_key(keyed_server: KeyedServer) -> None:
+    prompt = list(range(1000, 1200))  # 200 tokens
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 100, "ignore_eos": True}
+    with keyed_server.client("meter") as meter:
+        first = meter.post("/v1/completions", json=body)  # 300 of 600
+        assert first.status_code == 200, first.text
+        second = meter.post("/v1/completions", json=body)  # 600 of 600
+        assert second.status_code == 200, second.text
+        third = meter.post("/v1/completions", json=body)
+        error = error_of(third, 429)
+        assert error["code"] == "tokens_per_minute_exceeded"
+        assert 1 <= int(third.headers["Retry-After"]) <= 60
+        too_big = meter.post("/v1/completions", json={**body, "prompt": list(range(700))})
+        assert error_of(too_big, 400)["code"] == "tokens_per_minute_exceeded"
+
+
+def test_keys_never_appear_in_answers(keyed_server: KeyedServer) -> None:
+    with keyed_server.client("ops") as ops:
+        for path in ("/admin/config", "/admin/lanes", "/admin/engines", "/admin/routing"):
+            r = ops.get(path)
+            assert r.status_code == 200, (path, r.text)
+            assert not any(key in r.text for key in KEYS.values()), path
+        dumped = json.dumps(ops.get("/admin/config").json())
+        assert "SPUR_API_KEYS" in dumped

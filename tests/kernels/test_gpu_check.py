@@ -1,0 +1,90 @@
+"""The GPU check script (kernels/gpu_check.py) runs where a device machine runs it.
+
+That machine has torch, Triton and transformers but no Ray, no pydantic and no
+install of spur. The dry run is the same script end to end on CPU with tiny
+sizes; here it runs in a subprocess where importing `ray` or `pydantic` fails
+and the installed `spur` is hidden, so only the checkout's own files are used.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spur.cluster.bench import gpu as gpu_bench
+from spur.kernels import gpu_check
+
+SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "gpu_check.py"
+
+# Block ray and pydantic, hide the editable install's finder, run the script as __main__.
+RUNNER = """
+import runpy, sys
+for name in ("ray", "pydantic", "pydantic_core"):
+    sys.modules[name] = None
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+script, out = sys.argv[1], sys.argv[2]
+sys.argv = [script, "--dry-run", "--out", out]
+try:
+    runpy.run_path(script, run_name="__main__")
+    code = 0
+except SystemExit as e:
+    code = e.code
+loaded = sorted(m for m in ("ray", "pydantic") if sys.modules.get(m) is not None)
+sys.stderr.write(f"LOADED={loaded} FROM={sys.modules['spur.kernels'].__file__}\\n")
+sys.exit(code)
+"""
+
+
+def test_dry_run_end_to_end_without_ray_pydantic_or_install(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(SCRIPT), str(out)],
+        cwd=tmp_path,  # not the checkout: its kernels/ must not be importable as `kernels`
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)  # stdout holds the JSON summary and nothing else
+    assert summary == json.loads(out.read_text())
+    assert "spur from the checkout" in proc.stderr
+    assert f"LOADED=[] FROM={SCRIPT.parent / '__init__.py'}" in proc.stderr
+    assert summary["ok"] and summary["dry_run"]
+    kernels = summary["kernels"]
+    assert kernels["ok"] and kernels["num_cases"] >= 15
+    assert any("fp8" in c for c in kernels["cases"]) and any("gdn" in c for c in kernels["cases"])
+    assert summary["bandwidth"]["ok"] and summary["bandwidth"]["decode"]
+    engine = summary["engine"]
+    assert engine["ok"] and engine["capture"]["enabled"]
+    for level in ("batch1", "batch4"):
+        n = level.removeprefix("batch")
+        assert engine[level]["same_tokens_requests"] == f"{n}/{n}"
+        assert engine[level]["graphs"]["graph_steps"] > 0  # the padded path served decodes
+        assert engine[level]["eager"]["graph_steps"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_without_cuda_the_check_names_the_dry_run():
+    with pytest.raises(RuntimeError, match="--dry-run"):
+        gpu_check.run(dry_run=False)
+
+
+def test_bench_command_runs_the_installed_script():
+    cmd = gpu_bench.command(dry_run=True, skip=("engine", "kernels"), budget_s=60, peak_tbs=4.8)
+    installed = Path(gpu_check.__file__)  # the script of the spur this CLI runs
+    assert cmd[:2] == [sys.executable, str(installed)] and installed.is_file()
+    assert cmd[2:] == [
+        "--budget-s",
+        "60",
+        "--dry-run",
+        "--skip",
+        "engine,kernels",
+        "--peak-tbs",
+        "4.8",
+    ]
+    assert gpu_check.peak_for("NVIDIA H200") == 4.8 and gpu_check.peak_for("Tesla T4") is None
