@@ -50,6 +50,9 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     state_dtype: str = "float32"
+    compute_dtype: str = "auto"
+    """Dtype the matmuls run in: auto (the model's where the device computes it
+    natively, else float32), or the model's dtype, or float32."""
     num_speculative_tokens: int = 0
     """n-gram speculative decoding: most drafts per request and step (0: off)."""
     prompt_lookup_min: int = 2
@@ -79,6 +82,7 @@ class EngineArgs:
             num_threads=self.num_threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             state_dtype=self.state_dtype,
+            compute_dtype=self.compute_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class LLM:
     Keyword arguments are those of `spur.actors.builder.EngineArgs`:
         model: Hugging Face folder, .gguf file, or "SmolLM2-135M-Instruct".
         dtype: float32 | bfloat16 | float16 | auto.
+        compute_dtype: auto | float32 | the dtype (actors/worker/compute_dtype.py).
         tensor_parallel_size: worker processes (gloo on CPU, NCCL on CUDA).
         num_kv_blocks / kv_cache_bytes: size of the KV pool (blocks win);
             default: 2 GiB on CPU, gpu_memory_utilization on CUDA.

@@ -61,6 +61,7 @@ def engine_args(engine: EngineConfig) -> dict[str, Any]:
         "seed": engine.runtime.seed,
         "num_threads": engine.runtime.num_threads,
         "state_dtype": engine.cache.state_dtype,
+        "compute_dtype": engine.model.compute_dtype,
         **(
             {"test_leak_blocks_per_step": engine.runtime.test_leak_blocks_per_step}
             if engine.runtime.test_leak_blocks_per_step
