@@ -262,7 +262,7 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
     that keep defaults (for their unit tests) keep the schema's."""
     from spur.actors.builder import EngineArgs
     from spur.actors.engine.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.scheduler import SchedulerConfig
+    from spur.actors.engine.core.scheduler import SchedulerConfig
     from spur.actors.engine.spec_decode import SpeculativeConfig
     from spur.actors.worker.worker import WorkerConfig
 
