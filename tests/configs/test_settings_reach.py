@@ -122,6 +122,14 @@ ENGINE: dict[str, tuple[Any, Check]] = {
         "bfloat16",
         lambda b: (next(_worker(b).runner.model.parameters()).dtype, torch.bfloat16),
     ),
+    # bfloat16 = the model's dtype (float32 would widen the weights the check above reads)
+    "engine.model.compute_dtype": (
+        "bfloat16",
+        lambda b: (
+            (_worker(b).config.compute_dtype, b.replica.built.info.compute_dtype),
+            ("bfloat16", "bfloat16"),
+        ),
+    ),
     "engine.model.max_model_len": (96, lambda b: (_sched(b).config.max_model_len, 96)),
     "engine.model.tokenizer": (
         None,  # the tokenizer folder
@@ -287,7 +295,7 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
 def built(tiny: Any) -> Any:
     """One engine replica built from a config whose every ENGINE field is non-default,
     the way the cluster builds it (`engine_args` of the lane -> EngineReplica)."""
-    from spur.actors.engine.actor import EngineReplica
+    from spur.actors.engine.shell.actor import EngineReplica
     from spur.actors.llm import LLM
     from spur.cluster.app import engine_args
 
