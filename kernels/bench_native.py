@@ -1,0 +1,87 @@
+"""Micro-benchmark of the native CPU ops against the torch path they replace.
+
+`python -m spur.kernels.bench_native`: one attention layer of SmolLM2's geometry
+(9 heads, 3 KV heads, head_dim 64, blocks of 16), 32 decodes with seeded contexts of
+300 to 700 tokens, attended through the SDPA path, the native kernel on one thread
+and on torch's two; then RMSNorm + residual add and SiLU-and-mul at 64 rows (hidden
+576, intermediate 1536), native vs torch. Medians of interleaved rounds in one
+process (timings on a shared machine are only comparable within a run). Prints one
+line per measurement; BENCHMARKS.md (seventh round) quotes it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from spur.kernels import build_attention_metadata, paged_attention_ref
+
+
+def main(rounds: int = 15) -> None:
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(0)
+    bs, heads, kv_heads, dim = 16, 9, 3, 64
+    lens = [int(x) for x in torch.randint(300, 700, (32,), generator=gen)]
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + 1
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    meta = build_attention_metadata([n - 1 for n in lens], [1] * len(lens), tables, bs)
+    modes = ("sdpa", "native-1t", "native-2t")
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+        q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+
+        def attend(mode: str, q: torch.Tensor = q, cache: torch.Tensor = cache) -> float:
+            os.environ["SPUR_NATIVE_KERNELS"] = "0" if mode == "sdpa" else "1"
+            torch.set_num_threads(1 if mode == "native-1t" else 2)
+            meta.memo.clear()
+            t = time.perf_counter()
+            paged_attention_ref(q, cache, meta, scale=dim**-0.5)
+            return time.perf_counter() - t
+
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for m in modes:
+            attend(m)  # warm-up (and the first build)
+        for _ in range(rounds):
+            for m in modes:
+                times[m].append(attend(m))
+        ms = {m: round(statistics.median(v) * 1e3, 2) for m, v in times.items()}
+        print(f"{dtype}: one layer, 32 decodes, contexts 300-700: {ms} ms")
+    torch.set_num_threads(2)
+    from spur.actors.worker.layers.activation import GatedActivation
+    from spur.actors.worker.layers.norm import RMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = RMSNorm(576, 1e-5)
+        norm.weight.data = torch.ones(576, dtype=dtype)
+        x, r = torch.randn(64, 576).to(dtype), torch.randn(64, 576).to(dtype)
+        act, y = GatedActivation("silu"), torch.randn(64, 2 * 1536).to(dtype)
+
+        def ops(flag: str, norm=norm, x=x, r=r, act=act, y=y) -> float:
+            os.environ["SPUR_NATIVE_KERNELS"] = flag
+            t = time.perf_counter()
+            for _ in range(30):
+                norm(x, r)
+                act(y)
+            return (time.perf_counter() - t) / 30
+
+        ops("1")
+        ops("0")
+        native_t, torch_t = [], []
+        for _ in range(7):
+            native_t.append(ops("1"))
+            torch_t.append(ops("0"))
+        a, b = statistics.median(native_t) * 1e6, statistics.median(torch_t) * 1e6
+        label = "RMSNorm + residual and SiLU-and-mul at 64 rows"
+        print(f"{dtype}: {label}: native {a:.0f} us, torch {b:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
