@@ -16,8 +16,9 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
-from spur.kernels import build_attention_metadata, paged_attention_ref
+from spur.kernels import build_attention_metadata, native, paged_attention_ref
 
 
 def main(rounds: int = 15) -> None:
@@ -55,29 +56,39 @@ def main(rounds: int = 15) -> None:
         ms = {m: round(statistics.median(v) * 1e3, 2) for m, v in times.items()}
         print(f"{dtype}: one layer, 32 decodes, contexts 300-700: {ms} ms")
     torch.set_num_threads(2)
-    from spur.actors.worker.layers.activation import GatedActivation
-    from spur.actors.worker.layers.norm import RMSNorm
-
+    lib = native.ops()
+    if lib is None:
+        print("native ops unavailable: nothing more to compare")
+        return
     for dtype in (torch.float32, torch.bfloat16):
-        norm = RMSNorm(576, 1e-5)
-        norm.weight.data = torch.ones(576, dtype=dtype)
+        w = torch.ones(576, dtype=dtype)
         x, r = torch.randn(64, 576).to(dtype), torch.randn(64, 576).to(dtype)
-        act, y = GatedActivation("silu"), torch.randn(64, 2 * 1536).to(dtype)
+        y = torch.randn(64, 2 * 1536).to(dtype)
 
-        def ops(flag: str, norm=norm, x=x, r=r, act=act, y=y) -> float:
-            os.environ["SPUR_NATIVE_KERNELS"] = flag
+        def torch_path(x=x, r=r, w=w, y=y) -> None:  # layers/norm.py, layers/activation.py
+            s = x + r
+            xf = s.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + 1e-5)
+            _ = w * xf.to(x.dtype)
+            gate, up = y.chunk(2, dim=-1)
+            _ = F.silu(gate) * up
+
+        def native_path(x=x, r=r, w=w, y=y) -> None:
+            lib.fused_add_rms_norm(x, r, w, 1e-5)
+            lib.silu_and_mul(y)
+
+        def timed(fn) -> float:
             t = time.perf_counter()
             for _ in range(30):
-                norm(x, r)
-                act(y)
+                fn()
             return (time.perf_counter() - t) / 30
 
-        ops("1")
-        ops("0")
+        timed(native_path)
+        timed(torch_path)
         native_t, torch_t = [], []
         for _ in range(7):
-            native_t.append(ops("1"))
-            torch_t.append(ops("0"))
+            native_t.append(timed(native_path))
+            torch_t.append(timed(torch_path))
         a, b = statistics.median(native_t) * 1e6, statistics.median(torch_t) * 1e6
         label = "RMSNorm + residual and SiLU-and-mul at 64 rows"
         print(f"{dtype}: {label}: native {a:.0f} us, torch {b:.0f} us")
