@@ -156,6 +156,11 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     "engine.cache.hash_seed": ("reach", lambda b: (_sched(b).kv.config.hash_seed, "reach")),
     # Hybrid models only (recurrent states): it reaches the worker's runner.
     "engine.cache.state_dtype": ("bfloat16", lambda b: (_worker(b).config.state_dtype, "bfloat16")),
+    # What the matmuls run in ("auto" resolves per CPU): it reaches the worker.
+    "engine.model.compute_dtype": (
+        "float32",
+        lambda b: (_worker(b).config.compute_dtype, "float32"),
+    ),
     # scheduler
     "engine.scheduler.max_num_batched_tokens": (
         256,
@@ -261,9 +266,9 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
     scheduler's config none for the schema's settings, and the engine-side dataclasses
     that keep defaults (for their unit tests) keep the schema's."""
     from spur.actors.builder import EngineArgs
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
     from spur.actors.engine.core.scheduler import SchedulerConfig
-    from spur.actors.engine.spec_decode import SpeculativeConfig
+    from spur.actors.engine.core.spec_decode import SpeculativeConfig
     from spur.actors.worker.worker import WorkerConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
@@ -287,7 +292,7 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
 def built(tiny: Any) -> Any:
     """One engine replica built from a config whose every ENGINE field is non-default,
     the way the cluster builds it (`engine_args` of the lane -> EngineReplica)."""
-    from spur.actors.engine.actor import EngineReplica
+    from spur.actors.engine.shell.actor import EngineReplica
     from spur.actors.llm import LLM
     from spur.cluster.app import engine_args
 

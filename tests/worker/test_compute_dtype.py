@@ -75,7 +75,7 @@ def test_schema_field_reaches_the_engine_args():
 def test_setting_reaches_the_runner(tiny_model_dir):
     """A bf16 model computed in float32: fp32 weights holding exactly the bf16 values,
     a bf16 KV cache, the choice reported in ModelInfo, and generation works."""
-    from spur.actors.engine.sampling_params import SamplingParams
+    from spur.actors.step import SamplingParams
     from spur.actors.llm import LLM
 
     path = str(tiny_model_dir("llama"))
