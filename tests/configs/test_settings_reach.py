@@ -181,6 +181,12 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     ),
     "engine.runtime.seed": (5, lambda b: (_worker(b).config.seed, 5)),
     "engine.runtime.num_threads": (1, lambda b: (_worker(b).config.num_threads, 1)),
+    # CUDA graphs are captured on CUDA only (a log line on CPU): they reach the worker.
+    "engine.runtime.cuda_graphs": (False, lambda b: (_worker(b).config.cuda_graphs, False)),
+    "engine.runtime.cuda_graph_batch_sizes": (
+        [1, 2],
+        lambda b: (_worker(b).config.cuda_graph_batch_sizes, (1, 2)),
+    ),
     "engine.runtime.test_leak_blocks_per_step": (
         1,  # a broken retirement: the KV manager's allocate_slots is wrapped
         lambda b: (_sched(b).kv.allocate_slots.__name__, "leaky"),
@@ -251,9 +257,9 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
     scheduler's config none for the schema's settings, and the engine-side dataclasses
     that keep defaults (for their unit tests) keep the schema's."""
     from spur.actors.builder import EngineArgs
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.scheduler import SchedulerConfig
-    from spur.actors.engine.spec_decode import SpeculativeConfig
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import SchedulerConfig
+    from spur.actors.engine.core.spec_decode import SpeculativeConfig
     from spur.actors.worker.worker import WorkerConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
@@ -277,7 +283,7 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
 def built(tiny: Any) -> Any:
     """One engine replica built from a config whose every ENGINE field is non-default,
     the way the cluster builds it (`engine_args` of the lane -> EngineReplica)."""
-    from spur.actors.engine.actor import EngineReplica
+    from spur.actors.engine.shell.actor import EngineReplica
     from spur.actors.llm import LLM
     from spur.cluster.app import engine_args
 
@@ -329,7 +335,8 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     """model.tokenizer: the offline LLM and the ingress (which loads the folder its
     engines report) tokenize with it, not with the model folder's (it has none)."""
     from spur.actors.builder import load_tokenizer
-    from spur.cluster.ingress import Ingress, _Lane
+    from spur.cluster.ingress import Ingress
+    from spur.cluster.lanes import Lane
 
     assert load_tokenizer(str(tiny.model)) is None  # the model folder has none
     assert built.llm.tokenizer is not None, "LLM(tokenizer=...) loaded no tokenizer"
@@ -347,7 +354,7 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
         fake = types.SimpleNamespace(
             selector=types.SimpleNamespace(spare_of={}), draining=None, _stats=_stats
         )
-        lane = _Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
+        lane = Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
         await Ingress._init_lane(fake, lane)  # type: ignore[arg-type]
         return lane
 
