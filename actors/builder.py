@@ -46,6 +46,8 @@ class EngineArgs:
     dtype: str
     max_model_len: int | None
     tokenizer: str | None
+    compute_dtype: str
+    """What the matmuls run in: "auto" (resolved per device: actors/worker/compute_dtype.py)."""
     # cache
     block_size: int
     num_kv_blocks: int | None
@@ -95,7 +97,7 @@ class EngineArgs:
         defaults. Raises ValueError for an unknown keyword or an invalid value.
 
         Where pydantic is not installed (a bare GPU machine running
-        `kernels/gpu_check.py`), the defaults come from the schema's generated flat
+        `actors/gpu_check.py`), the defaults come from the schema's generated flat
         snapshot (`configs/engine_defaults.json`) and the values are not validated
         (logged)."""
         try:
@@ -167,6 +169,7 @@ class EngineArgs:
             state_dtype=self.state_dtype,
             cuda_graphs=self.cuda_graphs,
             cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes or ()) or None,
+            compute_dtype=self.compute_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:

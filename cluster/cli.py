@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
     spec.add_argument("--json", action="store_true")
     gpu = bench_sub.add_parser(
-        "gpu", help="Triton kernels, decode HBM bandwidth, CUDA graphs (kernels/gpu_check.py)"
+        "gpu", help="Triton kernels, decode HBM bandwidth, CUDA graphs (actors/gpu_check.py)"
     )
     gpu.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (no GPU needed)")
     gpu.add_argument("--skip", default="", help="sections to skip: kernels,bandwidth,engine")

@@ -82,7 +82,7 @@ class DecodeGraphs:
         self.device = device
         self.max_model_len = max_model_len
         m, w = plan.max_size, plan.max_blocks_per_req
-        shapes = {name: (m,) for name in _BUFFERS}
+        shapes: dict[str, tuple[int, ...]] = {name: (m,) for name in _BUFFERS}
         shapes["query_start_loc"] = (m + 1,)
         shapes["block_table"] = (m, w)
         pin = device.type == "cuda"

@@ -1,7 +1,7 @@
-"""`spur bench gpu`: the GPU check (`kernels/gpu_check.py`) in a fresh process.
+"""`spur bench gpu`: the GPU check (`actors/gpu_check.py`) in a fresh process.
 
 The check is one script so that a bare GPU machine (no Ray, no pydantic, no
-install) runs it as it is: `python3 kernels/gpu_check.py`. This command runs the
+install) runs it as it is: `python3 actors/gpu_check.py`. This command runs the
 same file with this environment's Python, in a child process: Triton reads
 TRITON_INTERPRET (the --dry-run's CPU interpreter) when the kernels are first
 imported, which only a fresh process guarantees, and cluster/ itself never
@@ -23,10 +23,10 @@ GRACE_S = 300.0
 
 
 def script_path() -> Path:
-    """Where `gpu_check.py` is (the installed `spur.kernels` package; nothing imported)."""
-    spec = importlib.util.find_spec("spur.kernels")
+    """Where `gpu_check.py` is (the installed `spur.actors` package; nothing imported)."""
+    spec = importlib.util.find_spec("spur.actors")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("spur.kernels is not importable: reinstall spur")
+        raise RuntimeError("spur.actors is not importable: reinstall spur")
     return Path(next(iter(spec.submodule_search_locations))) / "gpu_check.py"
 
 
@@ -37,7 +37,7 @@ def command(
     budget_s: float = 420.0,
     peak_tbs: float | None = None,
 ) -> list[str]:
-    """The child's command line (see `kernels/gpu_check.py --help`)."""
+    """The child's command line (see `actors/gpu_check.py --help`)."""
     cmd = [sys.executable, str(script_path()), "--budget-s", str(budget_s)]
     if dry_run:
         cmd.append("--dry-run")

@@ -122,6 +122,15 @@ ENGINE: dict[str, tuple[Any, Check]] = {
         "bfloat16",
         lambda b: (next(_worker(b).runner.model.parameters()).dtype, torch.bfloat16),
     ),
+    # Explicit: the served dtype itself (so the weights stay bfloat16 on any CPU; "auto"
+    # widens them to float32 where the CPU has no native bfloat16).
+    "engine.model.compute_dtype": (
+        "bfloat16",
+        lambda b: (
+            (_worker(b).config.compute_dtype, b.replica.built.info.compute_dtype),
+            ("bfloat16", "bfloat16"),
+        ),
+    ),
     "engine.model.max_model_len": (96, lambda b: (_sched(b).config.max_model_len, 96)),
     "engine.model.tokenizer": (
         None,  # the tokenizer folder

@@ -1,4 +1,4 @@
-"""The GPU check script (kernels/gpu_check.py) runs where a device machine runs it.
+"""The GPU check script (actors/gpu_check.py) runs where a device machine runs it.
 
 That machine has torch, Triton and transformers but no Ray, no pydantic and no
 install of spur. The dry run is the same script end to end on CPU with tiny
@@ -16,45 +16,55 @@ from pathlib import Path
 import pytest
 import torch
 
+from spur.actors import gpu_check
 from spur.cluster.bench import gpu as gpu_bench
-from spur.kernels import gpu_check
 
-SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "actors" / "gpu_check.py"
 
-# Block ray and pydantic, hide the editable install's finder, run the script as __main__.
+# Block some imports, hide the editable install's finder, import the runner's modules,
+# then run the script as __main__ with the given arguments.
 RUNNER = """
-import runpy, sys
-for name in ("ray", "pydantic", "pydantic_core"):
+import importlib, json, runpy, sys
+script, blocked, args = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+for name in blocked:
     sys.modules[name] = None
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
-script, out = sys.argv[1], sys.argv[2]
-sys.argv = [script, "--dry-run", "--out", out]
+sys.argv = [script, *args]
 try:
     runpy.run_path(script, run_name="__main__")
     code = 0
 except SystemExit as e:
     code = e.code
+for m in ("model_runner", "graph_runner", "cuda_graphs", "worker"):
+    importlib.import_module("spur.actors.worker." + m)
 loaded = sorted(m for m in ("ray", "pydantic") if sys.modules.get(m) is not None)
 sys.stderr.write(f"LOADED={loaded} FROM={sys.modules['spur.kernels'].__file__}\\n")
 sys.exit(code)
 """
 
 
-def test_dry_run_end_to_end_without_ray_pydantic_or_install(tmp_path):
+def _dry_run(tmp_path: Path, blocked: list[str], *args: str) -> tuple[dict, str]:
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(SCRIPT), str(out)],
+        [sys.executable, "-c", RUNNER, str(SCRIPT), json.dumps(blocked),
+         json.dumps(["--dry-run", "--out", str(out), *args])],
         cwd=tmp_path,  # not the checkout: its kernels/ must not be importable as `kernels`
         capture_output=True,
         text=True,
         timeout=600,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout)  # stdout holds the JSON summary and nothing else
     assert summary == json.loads(out.read_text())
     assert "spur from the checkout" in proc.stderr
-    assert f"LOADED=[] FROM={SCRIPT.parent / '__init__.py'}" in proc.stderr
+    assert f"FROM={SCRIPT.parents[1] / 'kernels' / '__init__.py'}" in proc.stderr
     assert summary["ok"] and summary["dry_run"]
+    return summary, proc.stderr
+
+
+def test_dry_run_end_to_end_without_ray_pydantic_or_install(tmp_path):
+    summary, log = _dry_run(tmp_path, ["ray", "pydantic", "pydantic_core"])
+    assert "LOADED=[]" in log  # the runner's modules imported too, without either
     kernels = summary["kernels"]
     assert kernels["ok"] and kernels["num_cases"] >= 15
     assert any("fp8" in c for c in kernels["cases"]) and any("gdn" in c for c in kernels["cases"])

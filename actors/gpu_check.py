@@ -1,12 +1,14 @@
 """The GPU check: one script a CUDA machine runs as it is, with a JSON summary on stdout.
 
-    python3 kernels/gpu_check.py [--out FILE] [--budget-s 420] [--skip engine]   # one GPU
-    python3 kernels/gpu_check.py --dry-run                                      # CPU, tiny
+    python3 actors/gpu_check.py [--out FILE] [--budget-s 420] [--skip engine]   # one GPU
+    python3 actors/gpu_check.py --dry-run                                      # CPU, tiny
     spur bench gpu [--dry-run]                                  # the same, from the CLI
 
 It needs torch, triton, transformers (config parsing), safetensors and numpy:
-no Ray, no pydantic, no network, no install (it makes `spur.*` importable from
-the checkout it lives in). Logs go to stderr, the summary to stdout (and --out).
+no Ray, no pydantic (`EngineArgs.of` reads the schema's defaults from
+configs/engine_defaults.json then), no network, no install (it makes `spur.*`
+importable from the checkout it lives in). Logs go to stderr, the summary to
+stdout (and --out).
 
 Sections, each timed and recorded (`ok`, `error` with its traceback); a failure
 in one does not stop the others:
@@ -85,7 +87,7 @@ def bootstrap() -> str:
     """Make `spur.*` this checkout's code, installed or not; returns how ("installed"
     or "checkout").
 
-    When the importable `spur.kernels` is not this checkout's (nothing installed, as
+    When the importable `spur.actors` is not this checkout's (nothing installed, as
     on a device machine, or another copy), the checkout's `spur/__init__.py` is
     loaded as `spur` with the checkout's root among its package folders, so
     `spur.kernels` is `<root>/kernels` and so on. The root itself never goes on
@@ -94,7 +96,7 @@ def bootstrap() -> str:
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     try:
-        spec = importlib.util.find_spec("spur.kernels")
+        spec = importlib.util.find_spec("spur.actors")
     except (ImportError, ValueError):
         spec = None
     if spec is not None and spec.origin and Path(spec.origin).resolve().parent == Path(here):
@@ -231,7 +233,8 @@ def _check_store(dtype: Any, cache: str, device: Any, tokens: int, seed: int) ->
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "store_kv bits differ"
 
 
-def _check_gdn(dtype: Any, device: Any, dry: bool, atol: float) -> None:
+def _check_gdn(dtype: Any, device: Any, dry: bool, atol: float) -> float:
+    """Conv and delta-rule kernels vs reference; returns the delta rule's max abs diff."""
     import torch
 
     from spur.kernels.gdn_conv_triton import causal_conv1d_varlen_triton
@@ -278,6 +281,7 @@ def _check_gdn(dtype: Any, device: Any, dry: bool, atol: float) -> None:
     got = gated_delta_rule_varlen_triton(q, k, v, g, beta, pool, meta, chunk_size=chunk)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
     torch.testing.assert_close(pool, want_pool, atol=atol, rtol=atol)
+    return float((got.float() - want.float()).abs().max())
 
 
 def check_kernels(device: Any, dry: bool) -> dict[str, Any]:
@@ -338,8 +342,10 @@ def check_kernels(device: Any, dry: bool) -> dict[str, Any]:
         if cache == "same" or not dry:  # the interpreter rounds fp32 -> e4m3 wrongly on ties
             run(f"store_kv-{label}", lambda a=args: _check_store(a[0], a[1], device, 37, 4))
     for label, dtype, atol in (
-        ("fp32", torch.float32, 1e-4),
-        ("fp16", torch.float16, 5e-3),
+        # On the GPU the sequences are long (up to 1,024 tokens in chunks of 64): the
+        # chunked forms' rounding grows with them, hence the looser fp32 / fp16 bounds.
+        ("fp32", torch.float32, 1e-4 if dry else 1e-3),
+        ("fp16", torch.float16, 5e-3 if dry else 1e-2),
         ("bf16", torch.bfloat16, 3e-2),
     ):
         if dry and dtype == torch.bfloat16:
