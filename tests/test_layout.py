@@ -72,13 +72,7 @@ def test_configs_import_nothing_above_them():
 
 
 def test_kernels_import_neither_actors_nor_cluster():
-    """`kernels/gpu_check.py` is a standalone script run by path on a device machine
-    (never imported by the package); its engine section drives the offline `LLM`
-    end to end, and that one import is allowed."""
-    found = _offenders(_py("kernels"), ("spur.actors", "spur.cluster"))
-    if found.get("kernels/gpu_check.py") == ["spur.actors.llm"]:
-        del found["kernels/gpu_check.py"]
-    assert not found
+    assert not _offenders(_py("kernels"), ("spur.actors", "spur.cluster"))
 
 
 CORE = ROOT / "actors" / "engine" / "core"

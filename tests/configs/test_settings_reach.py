@@ -261,9 +261,9 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
     scheduler's config none for the schema's settings, and the engine-side dataclasses
     that keep defaults (for their unit tests) keep the schema's."""
     from spur.actors.builder import EngineArgs
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.scheduler import SchedulerConfig
-    from spur.actors.engine.spec_decode import SpeculativeConfig
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import SchedulerConfig
+    from spur.actors.engine.core.spec_decode import SpeculativeConfig
     from spur.actors.worker.worker import WorkerConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
@@ -287,7 +287,7 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
 def built(tiny: Any) -> Any:
     """One engine replica built from a config whose every ENGINE field is non-default,
     the way the cluster builds it (`engine_args` of the lane -> EngineReplica)."""
-    from spur.actors.engine.actor import EngineReplica
+    from spur.actors.engine.shell.actor import EngineReplica
     from spur.actors.llm import LLM
     from spur.cluster.app import engine_args
 
@@ -333,7 +333,8 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     """model.tokenizer: the offline LLM and the ingress (which loads the folder its
     engines report) tokenize with it, not with the model folder's (it has none)."""
     from spur.actors.llm import LLM
-    from spur.cluster.ingress import Ingress, _Lane
+    from spur.cluster.ingress import Ingress
+    from spur.cluster.lanes import Lane
 
     with LLM(str(tiny.model), tokenizer=str(tiny.tokenizer), num_kv_blocks=16) as llm:
         assert llm.encode("w3 w4") == [5, 6]
@@ -352,7 +353,7 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
         fake = types.SimpleNamespace(
             selector=types.SimpleNamespace(spare_of={}), draining=None, _stats=_stats
         )
-        lane = _Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
+        lane = Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
         await Ingress._init_lane(fake, lane)  # type: ignore[arg-type]
         return lane
 
