@@ -46,6 +46,8 @@ class EngineArgs:
     dtype: str
     max_model_len: int | None
     tokenizer: str | None
+    compute_dtype: str
+    """What the matmuls run in: "auto" (resolved per device: actors/worker/compute_dtype.py)."""
     # cache
     block_size: int
     num_kv_blocks: int | None
@@ -167,6 +169,7 @@ class EngineArgs:
             state_dtype=self.state_dtype,
             cuda_graphs=self.cuda_graphs,
             cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes or ()) or None,
+            compute_dtype=self.compute_dtype,
         )
 
     def to_dict(self) -> dict[str, Any]:

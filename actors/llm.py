@@ -35,6 +35,7 @@ class LLM:
         model: Hugging Face folder, .gguf file, or "SmolLM2-135M-Instruct".
         dtype: float32 | bfloat16 | float16 | auto.
         tokenizer: tokenizer folder (default: the model folder's).
+        compute_dtype: auto | float32 | the dtype (actors/worker/compute_dtype.py).
         tensor_parallel_size: worker processes (gloo on CPU, NCCL on CUDA).
         num_kv_blocks / kv_cache_bytes: size of the KV pool (set at most one);
             default: 2 GiB on CPU, gpu_memory_utilization on CUDA.

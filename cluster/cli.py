@@ -120,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cap.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
     cap.add_argument(
-        "--max-num-batched-tokens", type=_positive, default=None, help="default: --chunk or 2048"
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=None,
+        help="default: --chunk, else the engine's (scheduler.max_num_batched_tokens)",
     )
     cap.add_argument("--simulate-prompt", type=_positive, help="run one request of N prompt tokens")
     cap.add_argument(
@@ -518,7 +521,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         max_len = 4096
         if cfg_path.suffix == ".json":
             max_len = int(_json.loads(cfg_path.read_text()).get("max_position_embeddings", 4096))
-    chunk = args.max_num_batched_tokens or args.chunk or 2048
+    chunk = (
+        args.max_num_batched_tokens
+        or args.chunk
+        or _engine_default("scheduler", "max_num_batched_tokens")
+    )
     kv_bytes = args.kv_bytes if args.num_blocks is None and args.kv_bytes else None
     if args.num_blocks is None and kv_bytes is None:
         kv_bytes = 4 << 30

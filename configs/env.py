@@ -40,15 +40,16 @@ def triton_interpret() -> bool:
 
 
 def native_kernels_enabled() -> bool:
-    """False when `SPUR_NATIVE_KERNELS` is 0 / false / off: the CPU path then uses
-    SDPA for fp32 / bf16 decodes instead of the C kernel in kernels/native.py."""
+    """False when `SPUR_NATIVE_KERNELS` is 0 / false / off: the CPU path then runs
+    pure torch (SDPA for fp32 / bf16 decodes, torch norms, RoPE and KV store) instead
+    of the C++ ops in kernels/native.py."""
     value = os.environ.get("SPUR_NATIVE_KERNELS", "1").strip().lower()
     return value not in ("0", "false", "off")
 
 
-def c_compiler() -> str | None:
-    """`CC`, if set: the compiler that builds kernels/native.py's C source."""
-    return os.environ.get("CC") or None
+def cxx_compiler() -> str | None:
+    """`CXX`, if set: the compiler that builds kernels/native.py's C++ extension."""
+    return os.environ.get("CXX") or None
 
 
 def test_settings_allowed() -> bool:

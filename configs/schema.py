@@ -202,6 +202,12 @@ class ModelConfig(_Section):
     max_position_embeddings, capped to what one request can hold in the KV pool."""
     tokenizer: str | None = Field(None, min_length=1)
     """Tokenizer folder. Unset: the model folder's own tokenizer."""
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype the matmuls and activations run in; `dtype` stays what the model is served in
+    (its weights' values, and the KV cache's dtype under kv_cache_dtype auto). "auto": the
+    model's dtype where the device computes it natively (CUDA; a CPU with AVX-512 BF16 or
+    AMX for bfloat16), else float32 (weights widened once at load, the KV cache kept in
+    `dtype`). Explicit: `dtype` itself, or float32."""
 
 
 class CacheConfig(_Section):

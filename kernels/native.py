@@ -1,31 +1,34 @@
-"""Native CPU kernels: built from C on first use, loaded with ctypes.
+"""Native CPU ops: a torch C++ extension built on first use, run in torch's thread pool.
 
-`cpu_decode_attention.c` attends a step's decode requests on a float32 or bfloat16
-paged cache, reading K/V in place through the block tables (the SDPA path gathers
-them into a padded copy first). It is compiled once per machine with the system C
-compiler (`$CC`, else `cc` or `gcc`) into `native/` under spur's cache directory
-(`configs/env.py`), keyed by the source, the flags and the CPU's feature flags
-(the build uses -march=native). Without a compiler, or with SPUR_NATIVE_KERNELS=0,
-`decode_kernel` returns None and the SDPA path serves; a failed build is logged
-once, with the compiler's message.
+`cpu_ops.cpp` holds the ops of the CPU serving path that torch composes from many
+small kernels (see its header): paged decode attention reading K/V in place through
+the block tables, RMSNorm with the residual add fused, SiLU-and-mul, and RoPE fused
+with the KV store. They are registered as `torch.ops.spur_cpu.*` (TORCH_LIBRARY, no
+pybind) and parallelised with `at::parallel_for`, i.e. on torch's own OpenMP team.
 
-The kernel runs on the calling thread. Splitting it over Python threads (ctypes
-releases the GIL) was measured slower inside the engine: torch's OpenMP workers
-keep spinning for a while after each op and take the second core (SmolLM2 fp32,
-24 requests, time in attention, first version of the kernel: 1 thread 3.3 to 3.4
-s, 2 threads 4.2 to 4.4 s).
+The extension is compiled once per machine with `torch.utils.cpp_extension.load`
+(the C++ compiler `$CXX`, else `c++`; ninja, a pyproject dependency) into `native/`
+under spur's cache directory (`configs/env.py`), keyed by the source, the flags, the
+torch version and the CPU's feature flags (the build uses -march=native); a cached
+build loads in well under a second, a fresh one takes 20 to 60 s. Without a compiler
+or ninja, or with SPUR_NATIVE_KERNELS=0, `ops()` returns None and every caller takes
+its pure-torch path (SDPA for attention); a failed build is logged once, with the
+compiler's message.
+
+Before this extension the decode kernel was C called through ctypes, on the calling
+thread: splitting it over Python threads was slower, because torch's OpenMP workers
+keep spinning after each op and take the second core. Inside torch's own team that
+core does the work.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +40,12 @@ from spur.configs import env
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
-SYMBOLS = {torch.float32: "spur_decode_attention_f32", torch.bfloat16: "spur_decode_attention_bf16"}
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+FLAGS = ["-O3", "-march=native", "-ffast-math"]
+DTYPES = (torch.float32, torch.bfloat16)  # activation and cache dtypes the ops take
 
 _lock = threading.Lock()
-_library: dict[str, ctypes.CDLL | None] = {}
+_state: dict[str, Any] = {}
 
 
 def _cpu_flags() -> str:
@@ -55,55 +58,81 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(cc: str | None = None) -> ctypes.CDLL:
-    """Compile (unless cached) and load the library.
+def build(cxx: str | None = None) -> Any:
+    """Compile (unless cached) and load the extension; returns `torch.ops.spur_cpu`.
 
-    Raises RuntimeError naming the cause: no compiler, or the compiler's error.
+    Raises RuntimeError naming the cause: no C++ compiler, no ninja, or the
+    compiler's error. Loading twice in one process returns the loaded ops.
     """
-    cc = cc or env.c_compiler() or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH: install gcc or set CC")
-    source = SOURCE.read_bytes()
+    from torch.utils import cpp_extension
+
+    cxx = cxx or env.cxx_compiler() or "c++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH: install g++ or set CXX")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not on PATH: `pip install ninja` (a spur dependency)")
     key = hashlib.sha256(
-        source + " ".join(FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode()
+        SOURCE.read_bytes()
+        + " ".join(FLAGS).encode()
+        + torch.__version__.encode()
+        + _cpu_flags().encode()
+        + platform.machine().encode()
     ).hexdigest()[:16]
-    out = env.cache_dir() / "native" / f"cpu_decode_attention-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            cmd = [cc, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            except OSError as exc:
-                raise RuntimeError(f"cannot run the C compiler {cc!r}: {exc}") from exc
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
-            os.replace(tmp_out, out)  # atomic: a concurrent builder never loads half a file
-    lib = ctypes.CDLL(str(out))
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    for name in SYMBOLS.values():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64]
-        fn.argtypes += [i32, i32, i32, i32, ctypes.c_float]
-    return lib
+    out = env.cache_dir() / "native" / f"cpu_ops-{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("CXX")
+    os.environ["CXX"] = cxx  # cpp_extension reads the compiler from the environment
+    try:
+        # torch serialises concurrent builders of one folder with a lock file in it.
+        cpp_extension.load(
+            name=f"spur_cpu_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
+        raise RuntimeError(
+            f"building {SOURCE.name} with {cxx} failed:\n{str(exc)[-2000:]}"
+        ) from exc
+    finally:
+        if old is None:
+            os.environ.pop("CXX", None)
+        else:
+            os.environ["CXX"] = old
+    return torch.ops.spur_cpu
 
 
-def _load() -> ctypes.CDLL | None:
+def ops() -> Any | None:
+    """`torch.ops.spur_cpu`, building it on first call; None where the torch path
+    serves (SPUR_NATIVE_KERNELS=0, or the build failed: logged once)."""
+    if not env.native_kernels_enabled():
+        return None
+    lib = _state.get("ops", False)
+    if lib is not False:
+        return lib
     with _lock:
-        if "lib" not in _library:
+        if "ops" not in _state:
             try:
-                _library["lib"] = build()
-            except (RuntimeError, OSError) as exc:
-                logger.warning("native CPU decode attention unavailable, using SDPA: %s", exc)
-                _library["lib"] = None
-        return _library["lib"]
+                _state["ops"] = build()
+            except RuntimeError as exc:
+                logger.warning("native CPU ops unavailable, using the torch path: %s", exc)
+                _state["ops"] = None
+        return _state["ops"]
+
+
+def usable(*tensors: torch.Tensor) -> Any | None:
+    """The ops when every tensor is on CPU in float32 / bfloat16, else None."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in DTYPES:
+            return None
+    return ops()
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """A step's decode requests, as the C kernel reads them (the same in every layer)."""
+    """A step's decode requests, as the kernel reads them (the same in every layer)."""
 
     rows: torch.Tensor  # [N] int32, query / output row of each decode
     firsts: torch.Tensor  # [N] int32, first position of its window
@@ -123,7 +152,7 @@ def plan_decodes(
 ) -> DecodePlan:
     """Index arrays for decode requests `reqs`: their query rows and windows [first, len).
 
-    Raises ValueError if a table could make the kernel read outside the cache (C has
+    Raises ValueError if a table could make the kernel read outside the cache (it has
     no bounds checks): a block id outside [0, num_blocks) or a context longer than
     its table row covers.
     """
@@ -148,21 +177,16 @@ def plan_decodes(
 
 
 def decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | None:
-    """The C function, or None where the SDPA path serves: not on CPU, a cache dtype
-    without a kernel (float16, fp8), an inner stride other than 1, or no library
+    """The ops, or None where the SDPA path serves: not on CPU, a query or cache dtype
+    without a kernel (float16, fp8), an inner stride other than 1, or no extension
     (SPUR_NATIVE_KERNELS=0, or the build failed)."""
-    if query.device.type != "cpu" or kv_cache.dtype not in SYMBOLS:
-        return None
-    if not env.native_kernels_enabled():
-        return None
     if kv_cache.stride(-1) != 1:
         return None
-    lib = _load()
-    return None if lib is None else getattr(lib, SYMBOLS[kv_cache.dtype])
+    return usable(query, kv_cache)
 
 
 def decode_attention(
-    fn: Any,
+    lib: Any,
     query: torch.Tensor,
     out: torch.Tensor,
     k_cache: torch.Tensor,
@@ -172,39 +196,14 @@ def decode_attention(
 ) -> None:
     """Attention of the plan's decodes; writes out[plan.rows], nothing else.
 
-    query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim] views of one layer's cache, in fn's dtype.
+    query, out: [num_tokens, num_heads, head_dim] in one dtype; k_cache, v_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim] views of one layer's cache.
     """
     if k_cache.stride() != v_cache.stride():
         raise ValueError("K and V views of the cache must share one layout")
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    q = query.float().contiguous()  # no copy for a contiguous fp32 query
-    direct = out.dtype == torch.float32 and out.is_contiguous()
-    dst = out if direct else torch.empty_like(q)
-    rc = fn(
-        q.data_ptr(),
-        q.stride(0),
-        dst.data_ptr(),
-        dst.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        plan.tables.data_ptr(),
-        plan.tables.stride(0),
-        plan.rows.data_ptr(),
-        plan.firsts.data_ptr(),
-        plan.lens.data_ptr(),
-        plan.rows.shape[0],
-        k_cache.shape[1],
-        num_heads,
-        k_cache.shape[2],
-        head_dim,
-        scale,
+    q = query if query.stride(1) == query.shape[2] else query.contiguous()
+    if out.stride(1) != out.shape[2] or out.stride(2) != 1:
+        raise ValueError("out must be contiguous in [num_heads, head_dim]")
+    lib.decode_attention(
+        q, out, k_cache, v_cache, plan.tables, plan.rows, plan.firsts, plan.lens, scale
     )
-    if rc != 0:
-        raise MemoryError("native decode attention could not allocate its scratch buffers")
-    if not direct:
-        rows = plan.rows.long()
-        out[rows] = dst[rows].to(out.dtype)

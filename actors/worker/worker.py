@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from spur.actors.cache_spec import ModelGeometry
 from spur.actors.step import ModelRunnerOutput, SchedulerOutput
+from spur.actors.worker.compute_dtype import cpu_flags, native_dtypes, pick_compute_dtype
 from spur.actors.worker.loader import load_model
 from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
 
@@ -47,6 +48,8 @@ class WorkerConfig:
     """Capture decode CUDA graphs in `capture_decode_graphs` (CUDA only)."""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch sizes to capture (None: cuda_graphs.capture_sizes' default)."""
+    compute_dtype: str = "auto"
+    """Dtype the model computes in (actors/worker/compute_dtype.py): auto, or dtype / float32."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +71,8 @@ class ModelInfo:
     geometry: ModelGeometry | None = None
     """Layer kinds and page sizes (this rank) of a hybrid model, whose cache groups the
     engine builds with `cache_spec.build_groups`; None for plain attention models."""
+    compute_dtype: str = "float32"
+    """What the model computes in (model.compute_dtype resolved on this device)."""
 
 
 class Worker:
@@ -114,7 +119,8 @@ class Worker:
         )
         model = loaded.model
         hf = getattr(model, "config", None) or loaded.config  # text config of multimodal ones
-        param_dtype = next(model.parameters()).dtype
+        param_dtype = next(model.parameters()).dtype  # the served dtype (model.dtype)
+        compute = self._compute_dtype(model, param_dtype)
         kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, param_dtype)
         self.runner = ModelRunner(
             model,
@@ -140,8 +146,28 @@ class Worker:
             eos_token_id=eos,
             model_dir=str(loaded.path),
             geometry=self.runner.layout.geometry if self.runner.layout else None,
+            compute_dtype=str(compute).removeprefix("torch."),
         )
         return self.info
+
+    def _compute_dtype(self, model: torch.nn.Module, served: torch.dtype) -> torch.dtype:
+        """Resolve model.compute_dtype on this device, log it, and widen the weights
+        when it differs from the served dtype (in place; KV keeps the served dtype)."""
+        name = str(served).removeprefix("torch.")
+        flags = cpu_flags() if self.device.type == "cpu" else set()
+        chosen = pick_compute_dtype(name, self.config.compute_dtype, self.device.type, flags)
+        if self.device.type == "cpu":
+            logger.info(
+                "CPU computes natively: %s; model.dtype %s, compute_dtype %s -> %s",
+                ", ".join(native_dtypes(flags)),
+                name,
+                self.config.compute_dtype,
+                chosen,
+            )
+        target = getattr(torch, chosen)
+        if target != served:
+            model.to(target)
+        return target
 
     def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> int:
         """Blocks that fit the KV budget: `kv_cache_bytes` if given; else on

@@ -193,6 +193,7 @@ def run_spur_arm(
                 elapsed = time.perf_counter() - t1
             stats = getattr(llm, "last_run_stats", None)
             block_bytes = llm.info.kv_bytes_per_block
+            compute_dtype = llm.info.compute_dtype
             floor: dict[str, Any] = {}
             if matmul_floor:
                 after = llm.executor.collective_rpc("step_times")[0]["shapes"]
@@ -214,6 +215,7 @@ def run_spur_arm(
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(useful / elapsed, 2) if elapsed > 0 else None,
         "load_s": round(load_s, 3),
+        "compute_dtype": compute_dtype,
         "kv_slots_allocated_peak": slots,
         "kv_tokens_held_peak": held,
         "kv_utilization": round(held / slots, 4) if held is not None and slots else None,

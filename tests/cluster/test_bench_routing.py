@@ -1,25 +1,52 @@
-"""`spur bench routing` end to end on a small workload: a real local multi-node
-cluster, the tiny model, two arms. Speed goals are not asserted here (they live
-in BENCHMARKS.md); the routing itself is: the prefix router reaches the oracle's
-hit rate, measured by the engines."""
+"""`spur bench routing --json` end to end on a small workload, run as the CLI in a
+process of its own: a real local multi-node cluster, the tiny model, two arms.
+Speed goals are not asserted here (they live in BENCHMARKS.md); the routing itself
+is: the prefix router reaches the oracle's hit rate, measured by the engines. Its
+stdout must be exactly one JSON document (`| jq` works): Ray's log lines go to
+stderr."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from e2e.conftest import build_tiny_model
 
+from spur.cluster.fake_cluster import ray_test_env, stop_session
+
 pytestmark = pytest.mark.slow
 
 
-def test_bench_routing_quick(tmp_path: Path) -> None:
-    from spur.cluster.bench import routing
-
+def test_bench_routing_quick_prints_only_json(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny")
-    out = routing.run(model=str(model), replicas=2, quick=True, arms=("round_robin", "prefix"))
-    json.dumps(out)
+    ray_tmpdir = Path(tempfile.mkdtemp(prefix="spur-bt-", dir="/tmp"))
+    env = {**ray_test_env(ray_tmpdir), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "spur.cluster.cli", "bench", "routing", "--model", str(model)]
+    cmd += ["--replicas", "2", "--quick", "--arms", "round_robin,prefix", "--json"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:  # a hung or finished run: nothing of its cluster may outlive it
+        leftovers = stop_session(proc, signal.SIGTERM, 30)
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+    err = stderr.decode(errors="replace")[-4000:]
+    assert proc.returncode == 0, err
+    out = json.loads(stdout)  # strict: one document, not a log line before or after it
+    assert not leftovers, leftovers
     arms = {a["arm"]: a for a in out["arms"]}
     assert set(arms) == {"round_robin", "prefix"}
     for a in arms.values():

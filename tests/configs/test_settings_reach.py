@@ -125,7 +125,7 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     "engine.model.max_model_len": (96, lambda b: (_sched(b).config.max_model_len, 96)),
     "engine.model.tokenizer": (
         None,  # the tokenizer folder
-        lambda b: (len(b.replica.tokenizer), 64),
+        lambda b: (b.replica.tokenizer and len(b.replica.tokenizer), 64),
     ),
     # cache
     "engine.cache.block_size": (
@@ -294,13 +294,19 @@ def built(tiny: Any) -> Any:
     torch.set_num_threads(1)
     engine = EngineConfig.model_validate(_engine_tree(tiny))
     replica = EngineReplica(engine_args(engine), "chat")
-    # kv_cache_bytes sizes the pool (exclusive with num_kv_blocks): through LLM(...).
-    llm = LLM(str(tiny.model), kv_cache_bytes=ENGINE["engine.cache.kv_cache_bytes"][0])
+    # kv_cache_bytes sizes the pool (exclusive with num_kv_blocks), and the tokenizer
+    # again: through the offline LLM(...).
+    llm = LLM(
+        str(tiny.model),
+        kv_cache_bytes=ENGINE["engine.cache.kv_cache_bytes"][0],
+        tokenizer=str(tiny.tokenizer),
+    )
     try:
         yield types.SimpleNamespace(
             tiny=tiny,
             engine=engine,
             replica=replica,
+            llm=llm,
             llm_num_blocks=llm.scheduler.kv.pool.num_blocks,
             llm_expected_blocks=ENGINE["engine.cache.kv_cache_bytes"][0]
             // llm.info.kv_bytes_per_block,
@@ -332,14 +338,13 @@ def test_projected_engine_setting_reaches_the_worker_config(path: str) -> None:
 def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     """model.tokenizer: the offline LLM and the ingress (which loads the folder its
     engines report) tokenize with it, not with the model folder's (it has none)."""
-    from spur.actors.llm import LLM
+    from spur.actors.builder import load_tokenizer
     from spur.cluster.ingress import Ingress
     from spur.cluster.lanes import Lane
 
-    with LLM(str(tiny.model), tokenizer=str(tiny.tokenizer), num_kv_blocks=16) as llm:
-        assert llm.encode("w3 w4") == [5, 6]
-    with LLM(str(tiny.model), num_kv_blocks=16) as llm:
-        assert llm.tokenizer is None  # the model folder has no tokenizer
+    assert load_tokenizer(str(tiny.model)) is None  # the model folder has none
+    assert built.llm.tokenizer is not None, "LLM(tokenizer=...) loaded no tokenizer"
+    assert built.llm.encode("w3 w4") == [5, 6]
 
     async def ingress_lane() -> Any:
         stats = await built.replica.stats()

@@ -1,5 +1,6 @@
-"""The native CPU decode kernel (kernels/cpu_decode_attention.c): built here, equal to
-the dense oracle and to the SDPA path it replaces, and a clean fallback."""
+"""The native CPU ops (kernels/cpu_ops.cpp, a torch C++ extension): built here, each
+equal to its torch reference (decode attention: to the dense oracle and to the SDPA
+path it replaces), and a clean fallback."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from spur.kernels import native, paged_attention_ref
 
 
 def test_native_kernel_builds_on_this_machine():
-    """CI machines have gcc: a broken build must fail here, not fall back silently."""
+    """CI machines have g++ and ninja: a broken build must fail here, not fall back
+    silently."""
     lib = native.build()
-    assert all(getattr(lib, name) is not None for name in native.SYMBOLS.values())
+    for name in ("decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul"):
+        assert getattr(lib, name) is not None
+    assert lib.rope_store_kv is not None
 
 
 @pytest.mark.parametrize("reqs", [MIXED, DECODES, MANY_DECODES], ids=str)
@@ -66,15 +70,21 @@ def test_other_cache_dtypes_stay_on_sdpa(cache_dtype):
 
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))  # no cached library to reuse
-    with pytest.raises(RuntimeError, match="cannot run the C compiler"):
-        native.build(cc=str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        native.build(cxx=str(tmp_path / "no-such-c++"))
 
 
 def test_failed_compile_shows_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
-        native.build(cc="false")
+        native.build(cxx="false")
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
+
+
+def test_switch_off_means_no_ops(monkeypatch):
+    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
+    assert native.ops() is None
+    assert native.usable(torch.zeros(2)) is None
 
 
 def test_out_of_range_block_ids_are_refused_before_the_kernel_reads():
@@ -84,3 +94,126 @@ def test_out_of_range_block_ids_are_refused_before_the_kernel_reads():
     case.metadata.block_tables[0, 0] = num_blocks  # one past the end
     with pytest.raises(ValueError, match="outside"):
         paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+
+
+# --------------------------------------------------------------------------- fused ops
+# Each against the torch path it replaces (the layer with SPUR_NATIVE_KERNELS=0).
+# float32: equal up to summation order; bfloat16: the same rounding points, so at
+# most one bf16 step apart where a float32 sum lands on the other side of a tie.
+
+TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _both_paths(monkeypatch, fn):
+    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
+    expected = fn()
+    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "1")
+    return fn(), expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
+    from spur.actors.worker.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(96, generator=gen)).to(dtype)
+    x = (3 * torch.randn(rows, 96, generator=gen)).to(dtype)
+    res = torch.randn(rows, 96, generator=gen).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    (got, got_res), (exp, exp_res) = _both_paths(monkeypatch, lambda: norm(x, res))
+    assert native.usable(x) is not None
+    tol = TOLS[dtype]
+    torch.testing.assert_close(got, exp, atol=tol, rtol=tol)
+    assert torch.equal(got_res, exp_res), "the residual sum rounds once, as torch's add"
+    got1, exp1 = _both_paths(monkeypatch, lambda: norm(x))
+    torch.testing.assert_close(got1, exp1, atol=tol, rtol=tol)
+    assert torch.equal(x, x0) and torch.equal(res, res0), "inputs are not mutated"
+
+
+def test_zero_centered_norm_keeps_its_own_formula(monkeypatch):
+    from spur.actors.worker.layers.norm import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm(32, eps=1e-6)
+    norm.weight.data = torch.full((32,), 0.5)
+    x = torch.randn(4, 32)
+    got, expected = _both_paths(monkeypatch, lambda: norm(x))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype, monkeypatch):
+    from spur.actors.worker.layers.activation import GatedActivation
+
+    act = GatedActivation("silu")
+    x = (4 * torch.randn(37, 2 * 80, generator=torch.Generator().manual_seed(1))).to(dtype)
+    got, expected = _both_paths(monkeypatch, lambda: act(x))
+    assert got.shape == (37, 80)
+    tol = TOLS[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rope_fused_with_the_kv_store(dtype, cache_dtype, rotary_fraction, monkeypatch):
+    """The attention layer's fused path against RoPE + store_kv in torch: same q,
+    same cache bytes written (padding slots -1 write nothing), same output."""
+    from spur.actors.worker.layers.attention import CausalSelfAttention
+    from spur.actors.worker.layers.rotary import RotaryEmbedding
+    from spur.kernels import build_attention_metadata
+
+    gen = torch.Generator().manual_seed(7)
+    head_dim, heads, kv_heads, hidden = 32, 4, 2, 64
+    rotary = RotaryEmbedding(
+        head_dim, int(head_dim * rotary_fraction), 256, {"rope_type": "default", "rope_theta": 1e4}
+    )
+    layer = CausalSelfAttention(
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rotary=rotary,
+        backend="torch",
+    ).to(dtype)
+    for p in layer.parameters():
+        p.data = (0.2 * torch.randn(p.shape, generator=gen)).to(dtype)
+    # Two requests: a 5-token prefill chunk after 3 cached tokens, and one decode at 40.
+    meta = build_attention_metadata(
+        [3, 39], [5, 1], [[4, 1], [0, 2, 3, 5, 6]], 8, num_padded_tokens=7
+    )
+    positions = torch.tensor([3, 4, 5, 6, 7, 39, 0])
+    x = torch.randn(7, hidden, generator=gen).to(dtype)
+    cache0 = torch.randn(2, 8, 8, kv_heads, head_dim, generator=gen).to(cache_dtype)
+
+    def run():
+        cache = cache0.clone()
+        fused = layer._fused_rope_store(layer.qkv_proj(x), positions, cache, meta) is not None
+        return layer(positions, x, cache, meta), cache, fused
+
+    (out, cache, fused), (exp_out, exp_cache, ref_fused) = _both_paths(monkeypatch, run)
+    assert fused and not ref_fused
+    tol = TOLS[dtype if cache_dtype == dtype else torch.bfloat16]
+    torch.testing.assert_close(cache, exp_cache, atol=tol, rtol=tol)
+    untouched = torch.ones(8 * 8, dtype=torch.bool)
+    untouched[meta.slot_mapping[meta.slot_mapping >= 0]] = False
+    flat, flat0 = cache.view(2, 64, -1), cache0.view(2, 64, -1)
+    assert torch.equal(flat[:, untouched], flat0[:, untouched]), "only the step's slots change"
+    torch.testing.assert_close(out[:6], exp_out[:6], atol=5 * tol, rtol=5 * tol)
+
+
+def test_rope_store_refuses_a_slot_past_the_cache():
+    lib = native.ops()
+    qkv = torch.randn(2, (2 + 2) * 8)
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        lib.rope_store_kv(
+            qkv, torch.tensor([0, 1]), torch.zeros(16, 8), cache, torch.tensor([0, 8]), 2, 1, 8, 8
+        )

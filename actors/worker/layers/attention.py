@@ -27,7 +27,7 @@ from spur.actors.worker.layers.linear import QKVParallelLinear, RowParallelLinea
 from spur.actors.worker.layers.norm import RMSNorm
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
 from spur.actors.worker.layers.rotary import RotaryEmbedding
-from spur.kernels import AttentionMetadata
+from spur.kernels import AttentionMetadata, native
 
 
 class PagedAttention(nn.Module):
@@ -96,6 +96,13 @@ class PagedAttention(nn.Module):
             self.v_scale,
             backend=self.backend,
         )
+        return self.attend(query, kv_cache, attn_metadata)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention of `query [n, num_heads, head_dim]` over a cache that already holds
+        this step's K/V (forward without the store)."""
         return kernels.paged_attention(
             query,
             kv_cache,
@@ -186,6 +193,45 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [n, Hq, d]
+        lib = self._fused_rope_store(qkv, positions, kv_cache, attn_metadata)
+        if lib is not None:
+            assert kv_cache is not None and isinstance(attn_metadata, AttentionMetadata)
+            q = lib.rope_store_kv(
+                qkv,
+                positions,
+                self.rotary.cos_sin_cache(qkv.device),
+                kv_cache,
+                attn_metadata.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.rotary.rotary_dim,
+            )  # [n, Hq, d], this step's K/V now in kv_cache
+            out = self.attn.attend(q, kv_cache, attn_metadata)
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = self.attn(q, k, v, kv_cache, attn_metadata)  # [n, Hq, d]
         return self.o_proj(out.reshape(n, self.q_size))  # [n, hidden]
+
+    def _fused_rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ):
+        """The native ops when RoPE and the KV store can run as one pass over qkv: on
+        CPU, the torch backend, float32 / bfloat16 activations and cache, no q/k norm
+        between the projection and RoPE, int64 positions; else None."""
+        if kv_cache is None or not isinstance(attn_metadata, AttentionMetadata):
+            return None
+        if self.q_norm is not None or qkv.dim() != 2 or qkv.stride(-1) != 1:
+            return None
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            return None
+        backend = self.attn.backend or kernels.select_backend("auto", qkv.device)
+        if backend != "torch":
+            return None
+        if attn_metadata.slot_mapping.dtype != torch.int64:
+            return None
+        return native.usable(qkv, kv_cache)

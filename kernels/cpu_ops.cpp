@@ -1,0 +1,435 @@
+// Native CPU ops of the torch serving path, run in torch's own thread pool.
+//
+// Built on first use by kernels/native.py (torch.utils.cpp_extension.load, ninja,
+// -O3 -march=native -ffast-math) and registered as torch.ops.spur_cpu.*. No pybind:
+// the ops are TORCH_LIBRARY schemas, so they dispatch like any aten op and the build
+// stays small. Every op has a torch reference it is tested against (tests/kernels/
+// test_native.py) and a Python caller that checks shapes, dtypes and strides first;
+// the checks here (TORCH_CHECK) are the last line for index ranges C cannot guard.
+//
+// Parallel work goes through at::parallel_for, i.e. torch's OpenMP team: the second
+// core works instead of spinning (the ctypes kernel this replaces ran on the calling
+// thread while torch's idle workers spun on the other core).
+//
+// Ops (dtypes: float32 or bfloat16 activations; caches float32 or bfloat16):
+//   decode_attention(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale)
+//       q, out [T, Hq, D] (stride(-1) == 1, stride(1) == D); k/v_cache [blocks,
+//       block_size, Hkv, D] views; tables [N, W] int32; rows, firsts, lens [N]
+//       int32. Decode i: query row rows[i] attends to positions [firsts[i], lens[i])
+//       of its context through table row i; writes out[rows[i]] only.
+//   fused_add_rms_norm(x, residual, weight, eps) -> (norm(x + residual), x + residual)
+//   rms_norm(x, weight, eps) -> norm(x)
+//   silu_and_mul(x [n, 2d]) -> silu(x[:, :d]) * x[:, d:]            [n, d]
+//   rope_store_kv(qkv, positions, cos_sin, kv_cache, slots, Hq, Hkv, D, rd) -> q
+//       RoPE ("rotate half") of q and k at positions, k and v written into
+//       kv_cache[0 / 1] at slots (-1: skip); returns the rotated q [n, Hq, D].
+// Each rounds where its torch reference rounds (bf16: after every op), so bf16
+// results equal the reference up to float32 summation order.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) {
+  return static_cast<T>(x);  // bf16: round to nearest even, as torch's .to(bfloat16)
+}
+
+// Rows of an op of `width` features that make one parallel task: torch's own
+// elementwise ops stay on one thread below 32768 elements (its GRAIN_SIZE).
+constexpr int64_t kGrain = 32768;
+inline int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
+}
+
+// ----------------------------------------------------------------- decode attention
+//
+// One task = one (decode, KV head) pair: its G = Hq / Hkv query heads against the
+// window's K rows (scores, float32), softmax, weighted sum of V rows. Positions are
+// the outer loop so each K (then V) row is read once, in address order. Tasks are
+// handed out longest window first from an atomic counter: contexts of a step vary
+// from tens to thousands of positions, and static halves would leave a core idle.
+template <typename KV, typename QO, int DC>
+void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
+            const KV* __restrict v, int64_t s_blk, int64_t s_off, const int32_t* table,
+            int32_t first, int32_t width, int32_t bs, int32_t G, int32_t Drt, float scale,
+            float* __restrict qf, float* __restrict scores, float* __restrict acc) {
+  const int32_t D = DC > 0 ? DC : Drt;
+  for (int64_t x = 0; x < (int64_t)G * D; ++x) qf[x] = to_f(q[x]) * scale;
+  for (int32_t t = 0; t < width; ++t) {
+    const int32_t p = first + t;
+    const KV* kr = k + (int64_t)table[p / bs] * s_blk + (int64_t)(p % bs) * s_off;
+    for (int32_t g = 0; g < G; ++g) {
+      const float* qg = qf + (int64_t)g * D;
+      float s = 0.0f;
+      for (int32_t d = 0; d < D; ++d) s += qg[d] * to_f(kr[d]);
+      scores[(int64_t)g * width + t] = s;
+    }
+  }
+  for (int32_t g = 0; g < G; ++g) {
+    float* sg = scores + (int64_t)g * width;
+    float m = -FLT_MAX;  // -ffast-math: no infinities
+    for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
+    float total = 0.0f;
+    for (int32_t t = 0; t < width; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      total += sg[t];
+    }
+    const float inv = 1.0f / total;
+    for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
+  }
+  for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
+  for (int32_t t = 0; t < width; ++t) {
+    const int32_t p = first + t;
+    const KV* vr = v + (int64_t)table[p / bs] * s_blk + (int64_t)(p % bs) * s_off;
+    for (int32_t g = 0; g < G; ++g) {
+      const float w = scores[(int64_t)g * width + t];
+      float* ag = acc + (int64_t)g * D;
+      for (int32_t d = 0; d < D; ++d) ag[d] += w * to_f(vr[d]);
+    }
+  }
+  for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
+}
+
+template <typename KV, typename QO>
+void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& kc,
+                  const at::Tensor& vc, const at::Tensor& tables, const at::Tensor& rows,
+                  const at::Tensor& firsts, const at::Tensor& lens, double scale) {
+  const int64_t N = rows.size(0);
+  const int32_t Hq = q.size(1), D = q.size(2), Hkv = kc.size(2), bs = kc.size(1);
+  const int32_t G = Hq / Hkv;
+  const int64_t s_blk = kc.stride(0), s_off = kc.stride(1), s_head = kc.stride(2);
+  const int64_t q_row = q.stride(0), o_row = out.stride(0), t_row = tables.stride(0);
+  const QO* qp = q.data_ptr<QO>();
+  QO* op = out.data_ptr<QO>();
+  const KV* kp = kc.data_ptr<KV>();
+  const KV* vp = vc.data_ptr<KV>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* rp = rows.data_ptr<int32_t>();
+  const int32_t* fp = firsts.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  int64_t widest = 1;
+  std::vector<int64_t> order(N);
+  for (int64_t i = 0; i < N; ++i) {
+    order[i] = i;
+    widest = std::max<int64_t>(widest, lp[i] - fp[i]);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lp[a] - fp[a] > lp[b] - fp[b]; });
+  const int64_t tasks = N * Hkv;
+  std::atomic<int64_t> next{0};
+  const int64_t team = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf((size_t)G * D), scores((size_t)G * widest), acc((size_t)G * D);
+    for (;;) {
+      const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
+      if (task >= tasks) break;
+      const int64_t i = order[task / Hkv];
+      const int32_t h = task % Hkv;
+      const int64_t row = rp[i];
+      const QO* qi = qp + row * q_row + (int64_t)h * G * D;
+      QO* oi = op + row * o_row + (int64_t)h * G * D;
+      const KV* ki = kp + h * s_head;
+      const KV* vi = vp + h * s_head;
+      const int32_t* table = tp + i * t_row;
+      const int32_t first = fp[i], width = lp[i] - fp[i];
+      if (D == 64)
+        attend<KV, QO, 64>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D,
+                           (float)scale, qf.data(), scores.data(), acc.data());
+      else if (D == 128)
+        attend<KV, QO, 128>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D,
+                            (float)scale, qf.data(), scores.data(), acc.data());
+      else
+        attend<KV, QO, 0>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D,
+                          (float)scale, qf.data(), scores.data(), acc.data());
+    }
+  });
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& tables,
+                      const at::Tensor& rows, const at::Tensor& firsts, const at::Tensor& lens,
+                      double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "q and out must be [tokens, heads, head_dim] of one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "q and out rows must be contiguous [heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1 &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "K and V caches must be [blocks, block_size, kv_heads, head_dim] views of one "
+              "layout, contiguous in head_dim");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "head_dim or head counts of q and the cache disagree");
+  for (const auto* t : {&tables, &rows, &firsts, &lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors: int32");
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  if (rows.size(0) == 0) return;
+  if (kt == at::kFloat && qt == at::kFloat)
+    decode_typed<float, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+  else if (kt == at::kFloat && qt == at::kBFloat16)
+    decode_typed<float, bf16>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+  else if (kt == at::kBFloat16 && qt == at::kFloat)
+    decode_typed<bf16, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+  else if (kt == at::kBFloat16 && qt == at::kBFloat16)
+    decode_typed<bf16, bf16>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+  else
+    TORCH_CHECK(false, "decode_attention: float32 / bfloat16 only, got ", qt, " and ", kt);
+}
+
+// ----------------------------------------------------------------- RMSNorm
+//
+// Reference (layers/norm.py): s = x + residual (in x's dtype); xf = float(s);
+// y = weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype). One pass per row.
+template <typename T, bool ADD>
+void rms_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t n,
+              int64_t hidden, int64_t x_row, int64_t r_row, float eps) {
+  at::parallel_for(0, n, row_grain(hidden), [&](int64_t b, int64_t e) {
+    std::vector<float> s(hidden);
+    for (int64_t i = b; i < e; ++i) {
+      const T* xi = x + i * x_row;
+      float ss = 0.0f;
+      if (ADD) {
+        const T* ri = res + i * r_row;
+        T* nr = new_res + i * hidden;
+        for (int64_t j = 0; j < hidden; ++j) {
+          const T sum = from_f<T>(to_f(xi[j]) + to_f(ri[j]));
+          nr[j] = sum;
+          s[j] = to_f(sum);
+        }
+      } else {
+        for (int64_t j = 0; j < hidden; ++j) s[j] = to_f(xi[j]);
+      }
+      for (int64_t j = 0; j < hidden; ++j) ss += s[j] * s[j];
+      const float inv = 1.0f / std::sqrt(ss / (float)hidden + eps);
+      T* oi = out + i * hidden;
+      for (int64_t j = 0; j < hidden; ++j)
+        oi[j] = from_f<T>(to_f(w[j]) * to_f(from_f<T>(s[j] * inv)));
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [n, hidden] with unit inner stride");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+                  w.scalar_type() == x.scalar_type(),
+              "weight must be [hidden], contiguous, in x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rms_norm: float32 / bfloat16 only");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rms_rows<float, false>(x.data_ptr<float>(), nullptr, weight.data_ptr<float>(),
+                           out.data_ptr<float>(), nullptr, x.size(0), x.size(1), x.stride(0), 0,
+                           (float)eps);
+  else
+    rms_rows<bf16, false>(x.data_ptr<bf16>(), nullptr, weight.data_ptr<bf16>(),
+                          out.data_ptr<bf16>(), nullptr, x.size(0), x.size(1), x.stride(0), 0,
+                          (float)eps);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+                  residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto new_res = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rms_rows<float, true>(x.data_ptr<float>(), residual.data_ptr<float>(),
+                          weight.data_ptr<float>(), out.data_ptr<float>(),
+                          new_res.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
+                          residual.stride(0), (float)eps);
+  else
+    rms_rows<bf16, true>(x.data_ptr<bf16>(), residual.data_ptr<bf16>(), weight.data_ptr<bf16>(),
+                         out.data_ptr<bf16>(), new_res.data_ptr<bf16>(), x.size(0), x.size(1),
+                         x.stride(0), residual.stride(0), (float)eps);
+  return {out, new_res};
+}
+
+// ----------------------------------------------------------------- SiLU and mul
+//
+// Reference (layers/activation.py): silu(gate) * up, rounded after each op.
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t n, int64_t d, int64_t x_row) {
+  at::parallel_for(0, n, row_grain(2 * d), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const T* g = x + i * x_row;
+      const T* u = g + d;
+      T* oi = out + i * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float gf = to_f(g[j]);
+        const T act = from_f<T>(gf / (1.0f + std::exp(-gf)));
+        oi[j] = from_f<T>(to_f(act) * to_f(u[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x must be [n, 2 * d] with unit inner stride");
+  const int64_t d = x.size(1) / 2;
+  auto out = at::empty({x.size(0), d}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_rows<float>(x.data_ptr<float>(), out.data_ptr<float>(), x.size(0), d, x.stride(0));
+  else if (x.scalar_type() == at::kBFloat16)
+    silu_mul_rows<bf16>(x.data_ptr<bf16>(), out.data_ptr<bf16>(), x.size(0), d, x.stride(0));
+  else
+    TORCH_CHECK(false, "silu_and_mul: float32 / bfloat16 only");
+  return out;
+}
+
+// ----------------------------------------------------------------- RoPE + KV store
+//
+// Reference (layers/rotary.py, kernels/reference.py:store_kv_ref): cos, sin =
+// cos_sin[pos].to(dtype); x1 * cos - x2 * sin | x2 * cos + x1 * sin over the first
+// rd features (the rest copied); K (rotated) and V converted to the cache dtype and
+// written at their slot. q comes back rotated in a new [n, Hq, D] tensor.
+template <typename T>
+inline void rotate(const T* x, T* y, const float* cs, int32_t D, int32_t rd) {
+  const int32_t half = rd / 2;
+  for (int32_t j = 0; j < half; ++j) {
+    const float c = to_f(from_f<T>(cs[j])), s = to_f(from_f<T>(cs[half + j]));
+    const float x1 = to_f(x[j]), x2 = to_f(x[half + j]);
+    const float a = to_f(from_f<T>(x1 * c)), b = to_f(from_f<T>(x2 * s));
+    const float e = to_f(from_f<T>(x2 * c)), f = to_f(from_f<T>(x1 * s));
+    y[j] = from_f<T>(a - b);
+    y[half + j] = from_f<T>(e + f);
+  }
+  for (int32_t j = rd; j < D; ++j) y[j] = x[j];
+}
+
+template <typename T, typename C>
+void rope_store_typed(const at::Tensor& qkv, const at::Tensor& positions,
+                      const at::Tensor& cos_sin, const at::Tensor& kv_cache,
+                      const at::Tensor& slots, const at::Tensor& q_out, int64_t Hq, int64_t Hkv,
+                      int64_t D, int64_t rd) {
+  const int64_t n = qkv.size(0), n_slots = slots.size(0), row = qkv.stride(0);
+  const int64_t bs = kv_cache.size(2);
+  const int64_t c_kv = kv_cache.stride(0), c_blk = kv_cache.stride(1), c_off = kv_cache.stride(2);
+  const int64_t c_head = kv_cache.stride(3);
+  const T* src = qkv.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  C* cache = kv_cache.data_ptr<C>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  const int64_t cs_row = cos_sin.stride(0);
+  at::parallel_for(0, n, row_grain((Hq + 2 * Hkv) * D), [&](int64_t b, int64_t e) {
+    std::vector<T> kbuf(D);
+    for (int64_t i = b; i < e; ++i) {
+      const T* qi = src + i * row;
+      const float* cs = table + pos[i] * cs_row;
+      for (int64_t h = 0; h < Hq; ++h) rotate<T>(qi + h * D, qo + (i * Hq + h) * D, cs, D, rd);
+      if (i >= n_slots || sl[i] < 0) continue;
+      C* kd = cache + (sl[i] / bs) * c_blk + (sl[i] % bs) * c_off;
+      const T* ki = qi + Hq * D;
+      const T* vi = ki + Hkv * D;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rotate<T>(ki + h * D, kbuf.data(), cs, D, rd);
+        C* kh = kd + h * c_head;
+        C* vh = kd + c_kv + h * c_head;
+        for (int64_t j = 0; j < D; ++j) {
+          kh[j] = from_f<C>(to_f(kbuf[j]));
+          vh[j] = from_f<C>(to_f(vi[h * D + j]));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
+                         const at::Tensor& cos_sin, const at::Tensor& kv_cache,
+                         const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t rotary_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [n, (heads + 2 * kv_heads) * head_dim] with unit inner stride");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == num_kv_heads &&
+                  kv_cache.size(4) == head_dim && kv_cache.stride(4) == 1,
+              "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.size(0) == qkv.size(0),
+              "positions: int64 [n]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) <= qkv.size(0),
+              "slot_mapping: int64 [<= n]");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 2 &&
+                  cos_sin.stride(1) == 1 && cos_sin.size(1) == rotary_dim &&
+                  rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+              "cos_sin must be float32 [max_position, rotary_dim]");
+  const int64_t n = qkv.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_sin.size(0), "position ", pos[i],
+                " is outside the RoPE table [0, ", cos_sin.size(0), ")");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.size(0); ++i)
+    TORCH_CHECK(sl[i] < num_slots, "slot ", sl[i], " is outside the cache's ", num_slots);
+  auto q = at::empty({n, num_heads, head_dim}, qkv.options());
+  const auto t = qkv.scalar_type(), c = kv_cache.scalar_type();
+  if (t == at::kFloat && c == at::kFloat)
+    rope_store_typed<float, float>(qkv, positions, cos_sin, kv_cache, slots, q, num_heads,
+                                   num_kv_heads, head_dim, rotary_dim);
+  else if (t == at::kFloat && c == at::kBFloat16)
+    rope_store_typed<float, bf16>(qkv, positions, cos_sin, kv_cache, slots, q, num_heads,
+                                  num_kv_heads, head_dim, rotary_dim);
+  else if (t == at::kBFloat16 && c == at::kBFloat16)
+    rope_store_typed<bf16, bf16>(qkv, positions, cos_sin, kv_cache, slots, q, num_heads,
+                                 num_kv_heads, head_dim, rotary_dim);
+  else if (t == at::kBFloat16 && c == at::kFloat)
+    rope_store_typed<bf16, float>(qkv, positions, cos_sin, kv_cache, slots, q, num_heads,
+                                  num_kv_heads, head_dim, rotary_dim);
+  else
+    TORCH_CHECK(false, "rope_store_kv: float32 / bfloat16 only, got ", t, " and ", c);
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(spur_cpu, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, "
+      "Tensor tables, Tensor rows, Tensor firsts, Tensor lens, float scale) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
+        "(Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) kv_cache, "
+      "Tensor slots, int num_heads, int num_kv_heads, int head_dim, int rotary_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_store_kv", &rope_store_kv);
+}
