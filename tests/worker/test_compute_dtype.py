@@ -75,8 +75,8 @@ def test_schema_field_reaches_the_engine_args():
 def test_setting_reaches_the_runner(tiny_model_dir):
     """A bf16 model computed in float32: fp32 weights holding exactly the bf16 values,
     a bf16 KV cache, the choice reported in ModelInfo, and generation works."""
-    from spur.actors.step import SamplingParams
     from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
 
     path = str(tiny_model_dir("llama"))
     llm = LLM(path, dtype="bfloat16", compute_dtype="float32", block_size=4, num_kv_blocks=64)
