@@ -122,7 +122,8 @@ ENGINE: dict[str, tuple[Any, Check]] = {
         "bfloat16",
         lambda b: (next(_worker(b).runner.model.parameters()).dtype, torch.bfloat16),
     ),
-    # bfloat16 = the model's dtype (float32 would widen the weights the check above reads)
+    # Explicit: the served dtype itself (so the weights stay bfloat16 on any CPU; "auto"
+    # widens them to float32 where the CPU has no native bfloat16).
     "engine.model.compute_dtype": (
         "bfloat16",
         lambda b: (
@@ -164,6 +165,11 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     "engine.cache.hash_seed": ("reach", lambda b: (_sched(b).kv.config.hash_seed, "reach")),
     # Hybrid models only (recurrent states): it reaches the worker's runner.
     "engine.cache.state_dtype": ("bfloat16", lambda b: (_worker(b).config.state_dtype, "bfloat16")),
+    # What the matmuls run in ("auto" resolves per CPU): it reaches the worker.
+    "engine.model.compute_dtype": (
+        "float32",
+        lambda b: (_worker(b).config.compute_dtype, "float32"),
+    ),
     # scheduler
     "engine.scheduler.max_num_batched_tokens": (
         256,
@@ -189,6 +195,12 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     ),
     "engine.runtime.seed": (5, lambda b: (_worker(b).config.seed, 5)),
     "engine.runtime.num_threads": (1, lambda b: (_worker(b).config.num_threads, 1)),
+    # CUDA graphs are captured on CUDA only (a log line on CPU): they reach the worker.
+    "engine.runtime.cuda_graphs": (False, lambda b: (_worker(b).config.cuda_graphs, False)),
+    "engine.runtime.cuda_graph_batch_sizes": (
+        [1, 2],
+        lambda b: (_worker(b).config.cuda_graph_batch_sizes, (1, 2)),
+    ),
     "engine.runtime.test_leak_blocks_per_step": (
         1,  # a broken retirement: the KV manager's allocate_slots is wrapped
         lambda b: (_sched(b).kv.allocate_slots.__name__, "leaky"),
@@ -219,16 +231,6 @@ PROJECTED: dict[str, tuple[Any, str, Callable[[Any], tuple[Any, Any]]]] = {
         lambda w: (w.tensor_parallel_size, 2),
     ),
     "engine.parallelism.device": ("cuda", "no GPU here", lambda w: (w.device, "cuda")),
-    "engine.runtime.cuda_graphs": (
-        False,
-        "captured on CUDA only (tests/worker/test_cuda_graphs.py)",
-        lambda w: (w.cuda_graphs, False),
-    ),
-    "engine.runtime.cuda_graph_batch_sizes": (
-        [1, 8],
-        "captured on CUDA only (tests/worker/test_cuda_graphs.py)",
-        lambda w: (w.cuda_graph_batch_sizes, (1, 8)),
-    ),
 }
 """Engine fields whose effect needs hardware or processes this test does not start:
 checked in the `WorkerConfig` the executor would get."""
@@ -269,9 +271,9 @@ def test_no_engine_component_declares_a_default_of_its_own() -> None:
     scheduler's config none for the schema's settings, and the engine-side dataclasses
     that keep defaults (for their unit tests) keep the schema's."""
     from spur.actors.builder import EngineArgs
-    from spur.actors.engine.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
     from spur.actors.engine.core.scheduler import SchedulerConfig
-    from spur.actors.engine.spec_decode import SpeculativeConfig
+    from spur.actors.engine.core.spec_decode import SpeculativeConfig
     from spur.actors.worker.worker import WorkerConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
@@ -347,7 +349,8 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     """model.tokenizer: the offline LLM and the ingress (which loads the folder its
     engines report) tokenize with it, not with the model folder's (it has none)."""
     from spur.actors.builder import load_tokenizer
-    from spur.cluster.ingress import Ingress, _Lane
+    from spur.cluster.ingress import Ingress
+    from spur.cluster.lanes import Lane
 
     assert load_tokenizer(str(tiny.model)) is None  # the model folder has none
     assert built.llm.tokenizer is not None, "LLM(tokenizer=...) loaded no tokenizer"
@@ -365,7 +368,7 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
         fake = types.SimpleNamespace(
             selector=types.SimpleNamespace(spare_of={}), draining=None, _stats=_stats
         )
-        lane = _Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
+        lane = Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
         await Ingress._init_lane(fake, lane)  # type: ignore[arg-type]
         return lane
 

@@ -26,5 +26,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and item.path.is_relative_to(config.rootpath / "tests/kernels"):
+        if item.get_closest_marker("gpu") is not None and item.path.is_relative_to(config.rootpath / "tests/kernels"):
             item.add_marker(skip)
