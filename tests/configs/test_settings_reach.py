@@ -165,11 +165,6 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     "engine.cache.hash_seed": ("reach", lambda b: (_sched(b).kv.config.hash_seed, "reach")),
     # Hybrid models only (recurrent states): it reaches the worker's runner.
     "engine.cache.state_dtype": ("bfloat16", lambda b: (_worker(b).config.state_dtype, "bfloat16")),
-    # What the matmuls run in ("auto" resolves per CPU): it reaches the worker.
-    "engine.model.compute_dtype": (
-        "float32",
-        lambda b: (_worker(b).config.compute_dtype, "float32"),
-    ),
     # scheduler
     "engine.scheduler.max_num_batched_tokens": (
         256,

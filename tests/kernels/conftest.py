@@ -26,5 +26,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if item.get_closest_marker("gpu") is not None and item.path.is_relative_to(config.rootpath / "tests/kernels"):
+        if item.get_closest_marker("gpu") is not None and item.path.is_relative_to(
+            config.rootpath / "tests/kernels"
+        ):
             item.add_marker(skip)
