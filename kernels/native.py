@@ -70,6 +70,8 @@ def build(cxx: str | None = None) -> Any:
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH: install g++ or set CXX")
     if not cpp_extension.is_ninja_available():
+        _put_pip_ninja_on_path()
+    if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not on PATH: `pip install ninja` (a spur dependency)")
     key = hashlib.sha256(
         SOURCE.read_bytes()
@@ -102,6 +104,19 @@ def build(cxx: str | None = None) -> Any:
         else:
             os.environ["CXX"] = old
     return torch.ops.spur_cpu
+
+
+def _put_pip_ninja_on_path() -> None:
+    """The `ninja` wheel (a dependency) puts its binary in the venv's bin folder, which is
+    not on PATH when the venv's python runs without activation (`.venv/bin/python -m
+    pytest` on CI): cpp_extension finds ninja only through PATH."""
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
 def ops() -> Any | None:
