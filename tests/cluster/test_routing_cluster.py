@@ -125,6 +125,8 @@ def _cached(body: dict[str, Any]) -> int:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    # This module's own Ray settings, restored afterwards (later tests start their own).
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_TMPDIR")}
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="spur-rc-", dir="/tmp")
     import ray
@@ -164,6 +166,11 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         finally:
             ray.shutdown()
             cluster.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _prefix(seed: int, blocks: int = PREFIX_BLOCKS) -> list[int]:

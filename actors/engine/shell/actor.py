@@ -380,6 +380,8 @@ def _serve_shutting_down() -> bool:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a local Ray
+            return False
         actor_id = ray.get_runtime_context().get_actor_id()
         actors = ray._private.worker.global_worker.actors
         actor = next((a for k, a in actors.items() if k.hex() == actor_id), None)
