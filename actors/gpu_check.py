@@ -159,17 +159,12 @@ def _attention_case(
     import torch
 
     from spur.kernels import build_attention_metadata, fp8
+    from spur.kernels.metadata import random_block_tables
     from spur.kernels.reference import store_kv_ref
 
     gen = torch.Generator().manual_seed(seed)
     seq = [c + n for c, n in reqs]
-    need = [-(-s // block_size) for s in seq]
-    num_blocks = sum(need) + 2
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
+    tables, num_blocks = random_block_tables(seq, block_size, 2, gen)
     storage = {"fp8": fp8.FP8_DTYPE if device.type == "cuda" else torch.uint8}.get(cache, dtype)
     kv = torch.zeros((2, num_blocks, block_size, kv_heads, head_dim), dtype=storage)
     scales = (0.05, 0.03) if cache == "fp8" else (1.0, 1.0)

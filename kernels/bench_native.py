@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from spur.kernels import build_attention_metadata, native, paged_attention_ref
+from spur.kernels.metadata import random_block_tables
 
 
 def main(rounds: int = 15) -> None:
@@ -26,13 +27,7 @@ def main(rounds: int = 15) -> None:
     gen = torch.Generator().manual_seed(0)
     bs, heads, kv_heads, dim = 16, 9, 3, 64
     lens = [int(x) for x in torch.randint(300, 700, (32,), generator=gen)]
-    need = [-(-n // bs) for n in lens]
-    num_blocks = sum(need) + 1
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
+    tables, num_blocks = random_block_tables(lens, bs, 1, gen)
     meta = build_attention_metadata([n - 1 for n in lens], [1] * len(lens), tables, bs)
     modes = ("sdpa", "native-1t", "native-2t")
     for dtype in (torch.float32, torch.bfloat16):

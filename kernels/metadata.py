@@ -176,3 +176,20 @@ def build_attention_metadata(
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_cpu,
     )
+
+
+def random_block_tables(
+    seq_lens: list[int], block_size: int, spare_blocks: int, generator: torch.Generator
+) -> tuple[list[list[int]], int]:
+    """Test and benchmark data: block tables for requests of `seq_lens` tokens over a
+    pool of just enough blocks plus `spare_blocks`, scattered by one random
+    permutation drawn from `generator` (so neighbours in a table are rarely neighbours
+    in the pool). Returns (tables, num_blocks)."""
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    return tables, num_blocks

@@ -16,6 +16,7 @@ import torch
 
 from spur.kernels import AttentionMetadata, build_attention_metadata
 from spur.kernels import fp8 as fp8mod
+from spur.kernels.metadata import random_block_tables
 from spur.kernels.reference import store_kv_ref
 
 FP8 = "fp8"
@@ -67,13 +68,8 @@ def make_case(
     """Build a random case. reqs: per request (num_computed, num_new)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in reqs]
-    need = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
+    tables, num_blocks = random_block_tables(seq_lens, block_size, spare_blocks, gen)
+    need = [len(t) for t in tables]
     # Block tables one wider than needed so unused (0) entries exist.
     meta_all = build_attention_metadata(
         [0] * len(reqs), seq_lens, tables, block_size, max_blocks_per_req=max(need) + 1
