@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench-core prometheus
+.PHONY: serve test lint bench-core prometheus cxx
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/spur serve configs/local.yaml
 
-test: $(STAMP) prometheus
+test: $(STAMP) prometheus cxx
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
@@ -36,3 +36,9 @@ bench-core: $(STAMP)
 prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+
+# A C++ compiler for the native CPU ops (kernels/cpu_ops.cpp, built on first use by
+# torch's cpp_extension; tests/kernels/test_native.py builds them). Debian's g++; needs root.
+cxx:
+	@command -v c++ >/dev/null || command -v g++ >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++)
