@@ -699,7 +699,9 @@ class Ingress:
     @app.get("/admin/lanes")
     async def admin_lanes(self) -> Response:
         """Per lane: where its traffic goes now and why, and per replica: healthy,
-        queue, KV usage, blocks held, restarts (from the KV index)."""
+        queue, KV usage, blocks held, restarts (from the KV index). Each ingress
+        replica decides its lanes' targets itself (from the same health view, with
+        hysteresis): `ingress_id` names the replica whose decision this is."""
         self._ensure_monitor()
         names = list(self.lanes)
         try:
@@ -712,6 +714,7 @@ class Ingress:
             if name in self.selector.state:
                 entry.update(self.selector.report(name))
             entry["kind"] = "primary" if name in self.primaries else "spare"
+            entry["ingress_id"] = self.ingress_id
             out[name] = entry
         return JSONResponse(out)
 

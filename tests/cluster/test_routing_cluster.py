@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK = 16
 PREFIX_BLOCKS = 20
+INGRESS_REPLICAS = 2
 
 
 def _engine(model_dir: Path) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def _config(model_dir: Path, port: int) -> dict[str, Any]:
         "server": {
             "host": "127.0.0.1",
             "port": port,
-            "ingress_replicas": 2,
+            "ingress_replicas": INGRESS_REPLICAS,
             "ingress_resources": {"head": 1},
         },
     }
@@ -99,6 +100,34 @@ class Env:
         )
         assert r.status_code == 200, r.text
         return r.json()
+
+    def all_ingresses(self, what: str, check: Any, timeout: float = 60.0) -> None:
+        """Wait until `check(lanes)` held in answers from every ingress replica (each
+        decides its lanes' targets itself; the proxy spreads requests over them)."""
+        agreed: set[str] = set()
+
+        def every() -> bool:
+            lanes = self.lanes()
+            ids = {entry["ingress_id"] for entry in lanes.values()}
+            if check(lanes):
+                agreed.update(ids)
+            else:
+                agreed.difference_update(ids)
+            return len(agreed) >= INGRESS_REPLICAS
+
+        self.wait_for(what, every, timeout)
+
+    def heartbeat_after_now(self, lane: str) -> None:
+        """Wait until every healthy replica of `lane` sent a heartbeat after this call
+        began, so its counters include every request answered before it."""
+        t0 = time.monotonic()
+
+        def fresh() -> bool:
+            elapsed = time.monotonic() - t0  # before the request: a bound on the index's
+            reps = [r for r in self.lanes()[lane]["replicas"] if r["healthy"]]
+            return bool(reps) and all(r["seconds_since_heartbeat"] < elapsed for r in reps)
+
+        self.wait_for(f"a heartbeat of every {lane} replica", fresh)
 
     def wait_for(self, what: str, check: Any, timeout: float = 60.0) -> Any:
         deadline = time.monotonic() + timeout
@@ -294,7 +323,7 @@ def test_a_restarted_index_resyncs_from_the_engines_snapshots(env: Env) -> None:
 
 
 def test_a_session_header_keeps_the_session_on_one_replica(env: Env) -> None:
-    time.sleep(1.0)  # two heartbeats: the counters below include every earlier request
+    env.heartbeat_after_now("chat")  # the counters below include every earlier request
     before = {rid: r["prefix_queries_total"] for rid, r in env.replicas("chat").items()}
     affinity_before = _decision_count(env.routing(), "affinity")
     sent = 0
@@ -494,8 +523,9 @@ def test_a_returning_node_takes_the_traffic_back(env: Env) -> None:
         lambda: any(r["healthy"] for r in env.lanes()["chat"]["replicas"]),
         timeout=120,
     )
-    env.wait_for(
-        "the lane to return to its primaries", lambda: env.lanes()["chat"]["target"] == "chat"
+    env.all_ingresses(
+        "every ingress to return the lane to its primaries",
+        lambda lanes: lanes["chat"]["target"] == "chat",
     )
     before = {
         rid: r["prefix_queries_total"] for rid, r in env.replicas("chat").items() if r["healthy"]
@@ -511,7 +541,7 @@ def test_a_returning_node_takes_the_traffic_back(env: Env) -> None:
         )
 
     env.wait_for("the new primary to serve the requests", served)
-    time.sleep(1.0)  # one more heartbeat of the spare
+    env.heartbeat_after_now("spare")
     assert sum(r["prefix_queries_total"] for r in env.replicas("spare").values()) == spare_before
 
 
