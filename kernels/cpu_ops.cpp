@@ -1,7 +1,7 @@
 // Native CPU ops of the torch serving path, run in torch's own thread pool.
 //
 // Built on first use by kernels/native.py (torch.utils.cpp_extension.load, ninja,
-// -O3 -march=native -ffast-math) and registered as torch.ops.spur_cpu.*. No pybind:
+// -O3 -march=native -ffast-math -fopenmp) and registered as torch.ops.spur_cpu.*. No pybind:
 // the ops are TORCH_LIBRARY schemas, so they dispatch like any aten op and the build
 // stays small. Every op has a torch reference it is tested against (tests/kernels/
 // test_native.py) and a Python caller that checks shapes, dtypes and strides first;
@@ -9,7 +9,11 @@
 //
 // Parallel work goes through at::parallel_for, i.e. torch's OpenMP team: the second
 // core works instead of spinning (the ctypes kernel this replaces ran on the calling
-// thread while torch's idle workers spun on the other core).
+// thread while torch's idle workers spun on the other core). ATen's OpenMP backend is
+// a `#pragma omp parallel` in its headers, so without -fopenmp at::parallel_for
+// silently runs on the calling thread alone; GOMP_* resolve at load time to the
+// libgomp torch already loaded (one OpenMP runtime, one team). `parallel_team(n)`
+// says how many threads a parallel_for over n items ran on (tested).
 //
 // Ops (dtypes: float32 or bfloat16 activations; caches float32 or bfloat16):
 //   decode_attention(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale)
@@ -39,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -66,25 +71,45 @@ inline int64_t row_grain(int64_t width) {
 // the outer loop so each K (then V) row is read once, in address order. Tasks are
 // handed out longest window first from an atomic counter: contexts of a step vary
 // from tens to thousands of positions, and static halves would leave a core idle.
-template <typename KV, typename QO, int DC>
+// Ask for the next block's rows of this head while the current one is computed: the
+// blocks of a context sit at scattered addresses, which the hardware prefetchers do
+// not follow, and a task would otherwise wait on every block's first rows.
+template <typename KV>
+inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D) {
+  const int64_t row_bytes = (int64_t)D * sizeof(KV);
+  for (int32_t j = 0; j < rows; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + (int64_t)j * s_off);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, 3);
+  }
+}
+
+template <typename KV, typename QO, int DC, int GC>
 void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
             const KV* __restrict v, int64_t s_blk, int64_t s_off, const int32_t* table,
-            int32_t first, int32_t width, int32_t bs, int32_t G, int32_t Drt, float scale,
+            int32_t first, int32_t width, int32_t bs, int32_t Grt, int32_t Drt, float scale,
             float* __restrict qf, float* __restrict scores, float* __restrict acc) {
   const int32_t D = DC > 0 ? DC : Drt;
+  const int32_t G = GC > 0 ? GC : Grt;
+  const int32_t end = first + width;
   for (int64_t x = 0; x < (int64_t)G * D; ++x) qf[x] = to_f(q[x]) * scale;
-  for (int32_t t = 0; t < width; ++t) {
-    const int32_t p = first + t;
-    const KV* kr = k + (int64_t)table[p / bs] * s_blk + (int64_t)(p % bs) * s_off;
-    for (int32_t g = 0; g < G; ++g) {
-      const float* qg = qf + (int64_t)g * D;
-      float s = 0.0f;
-      for (int32_t d = 0; d < D; ++d) s += qg[d] * to_f(kr[d]);
-      scores[(int64_t)g * width + t] = s;
+  // Block by block: a block's rows are s_off apart, so no division per position.
+  for (int32_t b = first / bs, t = 0; t < width; ++b) {
+    const KV* kb = k + (int64_t)table[b] * s_blk;
+    if (t + bs < width) prefetch_rows(k + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
+    const int32_t lo = (b == first / bs) ? first % bs : 0;
+    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
+    for (int32_t j = lo; j < hi; ++j, ++t) {
+      const KV* __restrict kr = kb + (int64_t)j * s_off;
+      for (int32_t g = 0; g < G; ++g) {
+        const float* __restrict qg = qf + (int64_t)g * D;
+        float s = 0.0f;
+        for (int32_t d = 0; d < D; ++d) s += qg[d] * to_f(kr[d]);
+        scores[(int64_t)g * width + t] = s;
+      }
     }
   }
   for (int32_t g = 0; g < G; ++g) {
-    float* sg = scores + (int64_t)g * width;
+    float* __restrict sg = scores + (int64_t)g * width;
     float m = -FLT_MAX;  // -ffast-math: no infinities
     for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
     float total = 0.0f;
@@ -96,13 +121,18 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
     for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
   }
   for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
-  for (int32_t t = 0; t < width; ++t) {
-    const int32_t p = first + t;
-    const KV* vr = v + (int64_t)table[p / bs] * s_blk + (int64_t)(p % bs) * s_off;
-    for (int32_t g = 0; g < G; ++g) {
-      const float w = scores[(int64_t)g * width + t];
-      float* ag = acc + (int64_t)g * D;
-      for (int32_t d = 0; d < D; ++d) ag[d] += w * to_f(vr[d]);
+  for (int32_t b = first / bs, t = 0; t < width; ++b) {
+    const KV* vb = v + (int64_t)table[b] * s_blk;
+    if (t + bs < width) prefetch_rows(v + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
+    const int32_t lo = (b == first / bs) ? first % bs : 0;
+    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
+    for (int32_t j = lo; j < hi; ++j, ++t) {
+      const KV* __restrict vr = vb + (int64_t)j * s_off;
+      for (int32_t g = 0; g < G; ++g) {
+        const float w = scores[(int64_t)g * width + t];
+        float* __restrict ag = acc + (int64_t)g * D;
+        for (int32_t d = 0; d < D; ++d) ag[d] += w * to_f(vr[d]);
+      }
     }
   }
   for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
@@ -150,15 +180,24 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
       const KV* vi = vp + h * s_head;
       const int32_t* table = tp + i * t_row;
       const int32_t first = fp[i], width = lp[i] - fp[i];
-      if (D == 64)
-        attend<KV, QO, 64>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D,
-                           (float)scale, qf.data(), scores.data(), acc.data());
-      else if (D == 128)
-        attend<KV, QO, 128>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D,
-                            (float)scale, qf.data(), scores.data(), acc.data());
-      else
-        attend<KV, QO, 0>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D,
-                          (float)scale, qf.data(), scores.data(), acc.data());
+      const auto run = [&](auto dc, auto gc) {
+        attend<KV, QO, decltype(dc)::value, decltype(gc)::value>(
+            qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D, (float)scale,
+            qf.data(), scores.data(), acc.data());
+      };
+      using D64 = std::integral_constant<int, 64>;
+      using D128 = std::integral_constant<int, 128>;
+      using Any = std::integral_constant<int, 0>;
+      // Head geometry as constants where models have it (SmolLM2: D 64, G 3; Llama 3
+      // and Qwen: D 128, G 4 to 8): the head loops unroll and the q rows stay in
+      // registers.
+      if (D == 64 && G == 3) run(D64{}, std::integral_constant<int, 3>{});
+      else if (D == 64 && G == 4) run(D64{}, std::integral_constant<int, 4>{});
+      else if (D == 64) run(D64{}, Any{});
+      else if (D == 128 && G == 4) run(D128{}, std::integral_constant<int, 4>{});
+      else if (D == 128 && G == 8) run(D128{}, std::integral_constant<int, 8>{});
+      else if (D == 128) run(D128{}, Any{});
+      else run(Any{}, Any{});
     }
   });
 }
@@ -411,9 +450,22 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
   return q;
 }
 
+int64_t parallel_team(int64_t n) {
+  std::vector<std::atomic<int>> seen(std::max<int64_t>(at::get_num_threads(), 1));
+  for (auto& x : seen) x = 0;
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    if (tid >= 0 && tid < (int)seen.size()) seen[tid] = 1;
+  });
+  int64_t used = 0;
+  for (auto& x : seen) used += x.load();
+  return used;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spur_cpu, m) {
+  m.def("parallel_team(int n) -> int", &parallel_team);  // no tensors: a catch-all
   m.def(
       "decode_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, "
       "Tensor tables, Tensor rows, Tensor firsts, Tensor lens, float scale) -> ()");

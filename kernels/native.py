@@ -41,7 +41,7 @@ from spur.configs import env
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-FLAGS = ["-O3", "-march=native", "-ffast-math"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)  # activation and cache dtypes the ops take
 
 _lock = threading.Lock()

@@ -20,6 +20,20 @@ def test_native_kernel_builds_on_this_machine():
     assert lib.rope_store_kv is not None
 
 
+def test_the_ops_run_on_torchs_thread_team():
+    """Built without OpenMP, at::parallel_for runs on the calling thread alone (ATen's
+    OpenMP backend is a pragma in its headers): every op would use one core."""
+    lib = native.build()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert lib.parallel_team(64) == 2
+        torch.set_num_threads(1)
+        assert lib.parallel_team(64) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("reqs", [MIXED, DECODES, MANY_DECODES], ids=str)
 @pytest.mark.parametrize("sliding_window", [None, 3])
 @pytest.mark.parametrize("path", ["native", "sdpa"])
@@ -41,9 +55,13 @@ def test_decodes_match_dense_on_both_paths(reqs, sliding_window, path, dtype, at
     assert not out[n:].any(), "padding rows must be zero"
 
 
-@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (128, 1, 8), (8, 4, 4)])
+@pytest.mark.parametrize(
+    ("head_dim", "group", "block_size"),
+    [(64, 3, 16), (64, 4, 16), (64, 2, 16), (128, 4, 8), (128, 8, 16), (128, 1, 8), (8, 4, 4)],
+)
 def test_every_compiled_head_dim(head_dim, group, block_size):
-    """head_dim 64 and 128 run specialized copies of the loop, others the generic one."""
+    """head_dim 64 and 128 with 3 / 4 (64) and 4 / 8 (128) query heads per KV head run
+    specialized copies of the loop, other groups and head sizes the generic ones."""
     case = make_case(
         MANY_DECODES, num_kv_heads=3, group=group, head_dim=head_dim, block_size=block_size
     )
