@@ -163,7 +163,10 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return lp[a] - fp[a] > lp[b] - fp[b]; });
-  const int64_t tasks = N * Hkv;
+  // One task = one decode, its KV heads one after the other: the first head's pass
+  // brings the context's blocks (every head of a row shares its cache lines' pages)
+  // into L2, and the other heads' passes read them from there.
+  const int64_t tasks = N;
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
@@ -171,8 +174,8 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
     for (;;) {
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
       if (task >= tasks) break;
-      const int64_t i = order[task / Hkv];
-      const int32_t h = task % Hkv;
+      const int64_t i = order[task];
+      for (int32_t h = 0; h < Hkv; ++h) {
       const int64_t row = rp[i];
       const QO* qi = qp + row * q_row + (int64_t)h * G * D;
       QO* oi = op + row * o_row + (int64_t)h * G * D;
@@ -198,6 +201,7 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
       else if (D == 128 && G == 8) run(D128{}, std::integral_constant<int, 8>{});
       else if (D == 128) run(D128{}, Any{});
       else run(Any{}, Any{});
+      }
     }
   });
 }

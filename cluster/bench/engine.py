@@ -186,20 +186,23 @@ def run_spur_arm(
             params = [
                 SamplingParams(max_tokens=k, ignore_eos=True, temperature=0) for k in output_lens
             ]
-            before = llm.executor.collective_rpc("step_times")[0]["shapes"]
+            before_times = llm.executor.collective_rpc("step_times")[0]
+            before = before_times["shapes"]
             with PeakRss() as during:
                 t1 = time.perf_counter()
                 outs = llm.generate(prompts, params)
                 elapsed = time.perf_counter() - t1
+            after_times = llm.executor.collective_rpc("step_times")[0]
             stats = getattr(llm, "last_run_stats", None)
             block_bytes = llm.info.kv_bytes_per_block
             compute_dtype = llm.info.compute_dtype
             floor: dict[str, Any] = {}
+            matmul_s = None
             if matmul_floor:
-                after = llm.executor.collective_rpc("step_times")[0]["shapes"]
-                shapes = _shape_delta(before, after)
+                shapes = _shape_delta(before, after_times["shapes"])
                 matmul_s = max(llm.executor.collective_rpc("time_matmuls", (shapes,)))
                 floor = _floor(shapes, matmul_s, elapsed)
+            profile = step_profile(before_times, after_times, elapsed, matmul_s)
         finally:
             llm.shutdown()
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -226,8 +229,30 @@ def run_spur_arm(
         "peak_rss_delta_bytes": during.delta_bytes,
         "peak_rss_delta_with_load_bytes": whole.delta_bytes,
         "engine_kwargs": kwargs,
+        "profile": profile,
         **floor,
     }
+
+
+PHASES = ("prepare", "forward", "logits", "sample")
+
+
+def step_profile(
+    before: dict[str, Any], after: dict[str, Any], elapsed: float, matmul_s: float | None
+) -> dict[str, Any]:
+    """Where the timed run's seconds went (rank 0's runner, `StepTimes`): preparing
+    the step's inputs, the forward, the LM head, sampling, and `engine_s`: the rest
+    of `generate` (scheduling, block bookkeeping, output processing, Python between
+    steps). With the matmul floor, `forward` and `logits` split into `matmuls_s` and
+    `outside_matmuls_s` (attention, norms, RoPE, activations, the KV store, dispatch)."""
+    out = {f"{p}_s": round(after[f"{p}_s"] - before[f"{p}_s"], 3) for p in PHASES}
+    out["engine_s"] = round(elapsed - sum(out.values()), 3)
+    out["steps"] = after["steps"] - before["steps"]
+    if matmul_s is not None:
+        model_s = out["forward_s"] + out["logits_s"]
+        out["matmuls_s"] = round(matmul_s, 3)
+        out["outside_matmuls_s"] = round(max(0.0, model_s - matmul_s), 3)
+    return out
 
 
 def _pool_bytes(stats: dict[str, Any], block_bytes: int) -> dict[str, Any]:
@@ -388,6 +413,11 @@ def run(
     batch_size = hf_batch_size or (4 if quick else HF_BATCH_SIZE)
     model_dir = resolve_model_dir(model)
     prompts, output_lens, source = make_workload(model_dir, num_requests=n, seed=seed, quick=quick)
+    from spur.actors.worker.onednn import matmul_path
+
+    # Which library and kernel this CPU's matmuls take per dtype (oneDNN's AMX /
+    # AVX-512 BF16 brgemm, or not oneDNN at all), as the JSON's `matmul_paths`.
+    paths = [matmul_path(d) for d in dtypes]
 
     results: dict[str, Any] = {}
     for i, dtype in enumerate(dtypes):
@@ -456,6 +486,7 @@ def run(
         "torch_num_threads": hf.torch_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": cpu_info(),
+        "matmul_paths": paths,
         "results": results,
         "process_max_rss_bytes": hf.max_rss_bytes(),
     }

@@ -190,6 +190,14 @@ def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir, tp):
     fed = w["prompt_tokens"]["total"] + w["output_tokens"]["total"] - out["num_requests"]
     assert spur["matmul_tokens"] == fed
     assert spur["matmul_s"] > 0
+    prof = spur["profile"]  # the phases add up to the timed run
+    assert prof["steps"] == spur["steps"]
+    phases = ("prepare_s", "forward_s", "logits_s", "sample_s", "engine_s")
+    assert sum(prof[p] for p in phases) == pytest.approx(spur["elapsed_s"], abs=0.01)
+    assert all(prof[p] >= 0 for p in phases[:4]) and prof["forward_s"] > 0
+    assert prof["matmuls_s"] == spur["matmul_s"]
+    assert 0 <= prof["outside_matmuls_s"] <= prof["forward_s"] + prof["logits_s"]
+    assert set(out["matmul_paths"][0]) == {"dtype", "library", "implementation", "isa"}
     if tp > 1:
         return
     assert spur["matmul_s"] < spur["elapsed_s"]
