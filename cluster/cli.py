@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 COMMANDS = ("serve", "config", "generate", "capacity", "bench", "dashboards", "top")
@@ -204,6 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--matmul-floor",
         action="store_true",
         help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
+    )
+    engine.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="draw where spur's time went per dtype, as stacked bars",
+    )
+    engine.add_argument(
+        "--plot-with",
+        action="append",
+        default=[],
+        metavar="LABEL=RUN.json",
+        help="--plot: earlier runs' JSON (before a lever) drawn beside this run",
     )
     engine.add_argument("--json", action="store_true")
     auto = bench_sub.add_parser(
@@ -624,13 +638,27 @@ def _bench_peer(args: argparse.Namespace) -> Any:
     return result
 
 
+def _earlier_runs(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """`LABEL=RUN.json` of --plot-with, read before the bench starts (a typo fails fast)."""
+    runs = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise UsageError(f"--plot-with {spec!r}: give LABEL=RUN.json")
+        try:
+            runs.append((label, json.loads(Path(path).read_text())))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--plot-with {spec!r}: cannot read {path}: {e}") from None
+    return runs
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     out = json_stdout() if getattr(args, "json", False) else None
     if args.bench == "core":
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
-    elif args.bench == "serve" and args.plot and not _plot_ready():
+    elif args.bench in ("serve", "engine") and args.plot and not _plot_ready():
         return 1
     elif args.bench == "serve" and args.peer:
         result = _bench_peer(args)
@@ -683,6 +711,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     elif args.bench == "engine":
         from spur.cluster.bench import engine
+
+        earlier = _earlier_runs(args.plot_with)
 
         result = engine.run(
             num_requests=args.requests,
@@ -752,6 +782,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from spur.cluster.bench import plot
 
         result["plot"] = str(plot.draw(result, args.plot))
+    elif args.bench == "engine" and args.plot:
+        from spur.cluster.bench import plot
+
+        runs = [*earlier, ("this run", result)]
+        result["plot"] = str(plot.engine_profile(runs, args.plot))
     if out is not None:
         print_json(out, result)
     else:

@@ -1,9 +1,12 @@
-"""`--plot PATH.png` for `spur bench serve` (needs matplotlib: the `bench` extra).
+"""`--plot PATH.png` for `spur bench serve` and `spur bench engine` (needs matplotlib:
+the `bench` extra).
 
 `draw(result, path)` picks the picture for the result: with `--peer`, spur and
 llama.cpp side by side (`peer.plot`); otherwise the Serve path against its
 baseline (the offline engine, or `--baseline-url`): tokens/s of both arms and the
-served arm's TTFT p50 / p99 against concurrency.
+served arm's TTFT p50 / p99 against concurrency. `engine_profile(runs, path)`:
+where a `bench engine` run's seconds went per dtype, as stacked bars, beside
+earlier runs (`--plot-with LABEL=RUN.json`: the same workload before a lever).
 """
 
 from __future__ import annotations
@@ -49,6 +52,81 @@ def draw(result: dict[str, Any], path: str | Path) -> Path:
         ax.legend(fontsize=8)
     title = f"spur bench serve: {result.get('model', '')}, {result.get('url', '')}"
     fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# Segments of a spur run's bar, bottom to top: (profile key, legend).
+ENGINE_SEGMENTS = (
+    ("matmuls_s", "matmuls (linear layers, LM head)"),
+    ("outside_matmuls_s", "rest of the forward (attention, norms, RoPE, KV store, dispatch)"),
+    ("prepare_s", "step inputs"),
+    ("sample_s", "sampling"),
+    ("engine_s", "engine (scheduling, outputs, Python between steps)"),
+)
+
+
+def engine_segments(spur: dict[str, Any]) -> dict[str, float]:
+    """Seconds per segment of one `bench engine` spur arm. A run without the phase
+    profile (older JSON) splits into its matmul floor and the rest; without the floor
+    the forward stays whole (as "rest of the forward")."""
+    prof = spur.get("profile")
+    if not prof:
+        total, mm = spur["elapsed_s"], spur.get("matmul_s") or 0.0
+        return {"matmuls_s": mm, "outside_matmuls_s": max(0.0, total - mm)}
+    out = {key: float(prof.get(key) or 0.0) for key, _ in ENGINE_SEGMENTS}
+    if "matmuls_s" not in prof:
+        out["outside_matmuls_s"] = prof["forward_s"] + prof["logits_s"]
+    return out
+
+
+def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> Path:
+    """Stacked bars of where spur's seconds went, one panel per dtype, one bar per run
+    (`label`, a `bench engine` result) plus transformers' time in that run as a
+    marker; returns the PNG's path."""
+    plt = pyplot()
+    dtypes = sorted({dt for _, r in runs for dt in r["results"]})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, dt in zip(axes[0], dtypes, strict=True):
+        have = [(label, r["results"][dt]) for label, r in runs if dt in r["results"]]
+        xs = range(len(have))
+        bottoms = [0.0] * len(have)
+        for i, (key, legend) in enumerate(ENGINE_SEGMENTS):
+            heights = [engine_segments(e["spur"]).get(key, 0.0) for _, e in have]
+            ax.bar(xs, heights, bottom=bottoms, color=colors[i % len(colors)], label=legend)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        hf = [e["hf"]["elapsed_s"] if "hf" in e else None for _, e in have]
+        ax.scatter(
+            [x for x, h in zip(xs, hf, strict=True) if h],
+            [h for h in hf if h],
+            marker="_",
+            s=900,
+            color="black",
+            label="transformers, static batches (same run)",
+            zorder=3,
+        )
+        for x, (_, e) in zip(xs, have, strict=True):
+            if e.get("throughput_ratio"):
+                ceiling = e.get("matmul_ceiling_ratio")
+                share = f"\nshare {e['throughput_ratio'] / ceiling:.2f}" if ceiling else ""
+                ax.annotate(
+                    f"{e['throughput_ratio']:.2f}x{share}",
+                    (x, bottoms[x]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_xticks(list(xs), [label for label, _ in have], fontsize=8)
+        ax.set(title=f"{dt}: seconds of one generate()", ylabel="s")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    model = runs[-1][1].get("model", "")
+    fig.suptitle(f"spur bench engine: {model}, where spur's time went", fontsize=9)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
