@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LABEL=RUN.json",
         help="--plot: earlier runs' JSON (before a lever) drawn beside this run",
     )
+    engine.add_argument(
+        "--plot-label", default="this run", help="--plot: this run's label under its bars"
+    )
     engine.add_argument("--json", action="store_true")
     auto = bench_sub.add_parser(
         "autoscale", help="step load on a lane autoscaling 1 -> 2 replicas on fake Ray nodes"
@@ -785,7 +788,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.bench == "engine" and args.plot:
         from spur.cluster.bench import plot
 
-        runs = [*earlier, ("this run", result)]
+        runs = [*earlier, (args.plot_label, result)]
         result["plot"] = str(plot.engine_profile(runs, args.plot))
     if out is not None:
         print_json(out, result)

@@ -4,7 +4,10 @@
 small kernels (see its header): paged decode attention reading K/V in place through
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, and RoPE fused
 with the KV store. They are registered as `torch.ops.spur_cpu.*` (TORCH_LIBRARY, no
-pybind) and parallelised with `at::parallel_for`, i.e. on torch's own OpenMP team.
+pybind) and parallelised with `at::parallel_for`, i.e. on torch's own OpenMP team:
+the build passes `-fopenmp` (ATen's parallel_for is a pragma in its headers: without
+the flag it compiles to a loop on the calling thread), and the GOMP symbols bind at
+load time to the libgomp torch has already loaded.
 
 The extension is compiled once per machine with `torch.utils.cpp_extension.load`
 (the C++ compiler `$CXX`, else `c++`; ninja, a pyproject dependency) into `native/`

@@ -327,13 +327,15 @@ class ModelRunner:
 
     # -- profiling ----------------------------------------------------------------------
     @torch.inference_mode()
-    def time_matmuls(self, shapes: list[tuple[int, int, int]]) -> float:
+    def time_matmuls(self, shapes: list[tuple[int, int, int]], repeats: int = 3) -> float:
         """Seconds this rank's linear layers and LM head take for a run of steps.
 
         `shapes`: (tokens in the step, rows sent to the LM head, number of such
-        steps), as counted in `times.shapes`. Each shape runs once on random inputs
-        through the decoder's column- and row-parallel layers (all of them, on every
-        token) and `compute_logits`, and is weighted by its count. Attention, norms,
+        steps), as counted in `times.shapes`. Each shape runs `repeats` times on
+        random inputs through the decoder's column- and row-parallel layers (all of
+        them, on every token) and `compute_logits`; its fastest time is weighted by
+        its count (one slow sample of a shape that makes 200 steps would otherwise
+        count 200 times, and a floor is what the matmuls take at best). Attention, norms,
         RoPE, activations, sampling and bookkeeping are left out: this is what a
         step would cost if only its matmuls were left, a floor for this machine.
         Under tensor parallelism every rank must be called together (the row-parallel
@@ -367,7 +369,10 @@ class ModelRunner:
             return time.perf_counter() - t0
 
         one(8, 8)  # warm-up: first calls pay one-time costs
-        return sum(count * one(tokens, logits) for tokens, logits, count in shapes)
+        return sum(
+            count * min(one(tokens, logits) for _ in range(max(1, repeats)))
+            for tokens, logits, count in shapes
+        )
 
 
 def _sync(device: torch.device) -> None:

@@ -393,7 +393,8 @@ def run(
             engine defaults: spur.configs.schema.EngineConfig, flattened).
         matmul_floor: also time the spur run's matmuls alone (see `run_spur_arm`)
             and report `matmul_ceiling_ratio`: the ratio spur would reach if only
-            its matmuls cost time. Adds about a third of the spur arm's time.
+            its matmuls cost time (each step shape timed 3 times, the fastest kept).
+            Adds about the spur arm's own time.
         prefix_hit_tokens: when > 0, also time a prefill whose prefix of that many
             tokens is cached against a cold one, per dtype (`prefix_hit_speedup`).
 

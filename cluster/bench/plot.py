@@ -11,6 +11,7 @@ earlier runs (`--plot-with LABEL=RUN.json`: the same workload before a lever).
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +122,14 @@ def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> 
                     va="bottom",
                     fontsize=8,
                 )
-        ax.set_xticks(list(xs), [label for label, _ in have], fontsize=8)
+        ax.set_xticks(list(xs), [textwrap.fill(label, 16) for label, _ in have], fontsize=7)
         ax.set(title=f"{dt}: seconds of one generate()", ylabel="s")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="upper right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3, frameon=False)
     model = runs[-1][1].get("model", "")
     fig.suptitle(f"spur bench engine: {model}, where spur's time went", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
