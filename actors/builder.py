@@ -79,6 +79,8 @@ class EngineArgs:
     """n-gram speculative decoding: most drafts per request and step (0: off)."""
     prompt_lookup_min: int
     prompt_lookup_max: int
+    disable_by_batch_size: int | None
+    """Draft only while fewer than this many requests run (None: always)."""
     cuda_graphs: bool
     """Capture decode steps as CUDA graphs at start (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: list[int] | None
@@ -151,6 +153,7 @@ class EngineArgs:
             prompt_lookup_min=self.prompt_lookup_min,
             prompt_lookup_max=self.prompt_lookup_max,
             method=self.method,
+            disable_by_batch_size=self.disable_by_batch_size,
         )
 
     def worker_config(self) -> WorkerConfig:

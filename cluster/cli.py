@@ -247,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--num-speculative-tokens", type=_positive, default=4)
     spec.add_argument("--prompt-lookup-min", type=_positive, default=2)
     spec.add_argument("--prompt-lookup-max", type=_positive, default=4)
+    spec.add_argument(
+        "--disable-by-batch-size",
+        type=_positive,
+        default=None,
+        help="draft only while fewer requests run (engine.speculative.disable_by_batch_size)",
+    )
     spec.add_argument("--seed", type=int, default=0)
     spec.add_argument("--max-tokens", type=_positive, default=None, help="cap every output")
     spec.add_argument("--num-threads", type=_positive, default=None, help="torch threads")
@@ -760,6 +766,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 num_speculative_tokens=args.num_speculative_tokens,
                 prompt_lookup_min=args.prompt_lookup_min,
                 prompt_lookup_max=args.prompt_lookup_max,
+                disable_by_batch_size=args.disable_by_batch_size,
                 seed=args.seed,
                 quick=args.quick,
                 max_tokens=args.max_tokens,

@@ -217,6 +217,10 @@ ENGINE: dict[str, tuple[Any, Check]] = {
         3,
         lambda b: (_sched(b).proposer.config.prompt_lookup_max, 3),
     ),
+    "engine.speculative.disable_by_batch_size": (
+        5,
+        lambda b: (_sched(b).proposer.config.disable_by_batch_size, 5),
+    ),
 }
 
 PROJECTED: dict[str, tuple[Any, str, Callable[[Any], tuple[Any, Any]]]] = {

@@ -75,6 +75,8 @@ def test_config_errors_name_the_fix():
         SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="unknown"):
         SpeculativeConfig(num_speculative_tokens=2, method="eagle")
+    with pytest.raises(ValueError, match="None: draft at any batch size"):
+        SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=0)
 
 
 def test_state_group_models_refuse_speculation():
@@ -108,7 +110,13 @@ def model(tokens: list[int]) -> int:
 
 
 def make(
-    spec: bool, *, num_blocks: int = 128, groups=(FULL,), budget: int = 64, max_len: int = 160
+    spec: bool,
+    *,
+    num_blocks: int = 128,
+    groups=(FULL,),
+    budget: int = 64,
+    max_len: int = 160,
+    disable_by_batch_size: int | None = None,
 ) -> tuple[EngineCore, Scheduler]:
     kv = KVCacheConfig(block_size=4, num_blocks=num_blocks, groups=groups)
     sched = Scheduler(
@@ -119,7 +127,12 @@ def make(
             long_prefill_token_threshold=0,
             policy="fcfs",
             check_kv_bounds=True,
-            speculative=SpeculativeConfig(K, prompt_lookup_min=1, prompt_lookup_max=3)
+            speculative=SpeculativeConfig(
+                K,
+                prompt_lookup_min=1,
+                prompt_lookup_max=3,
+                disable_by_batch_size=disable_by_batch_size,
+            )
             if spec
             else None,
         ),
@@ -185,6 +198,30 @@ def test_greedy_output_is_identical_and_rollback_leaves_no_leak(label, kwargs):
     if label == "roomy":  # the cycle needs far fewer steps; the one without history not
         assert steps["r0"] < steps0["r0"] * 0.4
         assert steps["r3"] == steps0["r3"] == 60
+
+
+def test_no_drafts_while_the_batch_is_at_disable_by_batch_size():
+    """Four requests run together until the shortest ends: with the limit at 4 nobody
+    drafts then; once fewer run, the heavy drafter drafts again. Output unchanged."""
+    plain, _, _ = run(*make(False, budget=128))
+    core, sched = make(True, budget=128, disable_by_batch_size=4)  # all four prefill at once
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (60, 60, 60, 10)]
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+        core.add_request(sched.make_request(f"r{i}", p, sp))
+    drafts_at: dict[int, int] = {}  # running requests at a step -> drafts verified in it
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        n = len(sched.running) + len(sched.waiting)
+        outputs, stats = core.step()
+        sched.check_integrity()
+        drafts_at[n] = drafts_at.get(n, 0) + stats.spec_num_draft_tokens
+        for o in outputs:
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert drafts_at[4] == 0, drafts_at  # four running: no drafts verified
+    assert sum(v for k, v in drafts_at.items() if k < 4) > 0  # fewer: drafting again
+    assert all(out[f"r{i}"] == plain[f"r{i}"] for i in range(3))
+    assert out["r3"] == plain["r3"][:10]
+    assert_all_free(sched)
 
 
 def test_step_stats_count_each_verify_step_once():

@@ -496,8 +496,13 @@ class Scheduler:
 
     def _propose(self, req: Request) -> None:
         """Set the request's drafts for its next step (n-gram lookup); none when
-        it could produce at most one more token anyway."""
+        it could produce at most one more token anyway, or while at least
+        `disable_by_batch_size` requests run."""
         assert self.proposer is not None
+        limit = self.proposer.config.disable_by_batch_size
+        if limit is not None and len(self.running) >= limit:
+            req.spec_token_ids = []
+            return
         num_output = req.num_output_tokens
         max_new = min(
             req.sampling_params.max_tokens - num_output,

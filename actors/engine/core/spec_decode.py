@@ -49,6 +49,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     """Longest suffix tried first."""
     method: str = "ngram"
+    disable_by_batch_size: int | None = None
+    """Draft only while fewer than this many requests run; None: always."""
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -57,6 +59,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1 "
                 "(leave speculation unset to turn it off)"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size={self.disable_by_batch_size} must be >= 1 "
+                "(None: draft at any batch size)"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
