@@ -249,9 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-max", type=_positive, default=4)
     spec.add_argument(
         "--disable-by-batch-size",
-        type=_positive,
+        type=int,
         default=None,
-        help="draft only while fewer requests run (engine.speculative.disable_by_batch_size)",
+        help="draft only while fewer requests run (engine.speculative.disable_by_batch_size; "
+        "default: the schema's; 0: at any batch size)",
     )
     spec.add_argument("--seed", type=int, default=0)
     spec.add_argument("--max-tokens", type=_positive, default=None, help="cap every output")

@@ -346,12 +346,14 @@ class SpeculativeConfig(_Section):
     """Shortest suffix of the request that may match an earlier n-gram."""
     prompt_lookup_max: int = Field(4, ge=1, le=16)
     """Longest suffix tried first (longer matches draft more reliably)."""
-    disable_by_batch_size: int | None = Field(None, ge=1)
+    disable_by_batch_size: int | None = Field(8, ge=1)
     """Draft only while fewer than this many requests run (vLLM's setting of the same
-    name); None: always. Verifying k drafts adds k rows per request to the step's
-    matmuls: with many requests the step is compute-bound and rejected drafts cost
-    more than accepted ones save (SmolLM2 fp32 on 2 CPU cores, ordinary chat: 1.23x
-    at 1 request, 0.84x at 16; BENCHMARKS.md)."""
+    name); null: at any batch size. Verifying k drafts adds k rows per request to the
+    step's matmuls: with many requests the step is compute-bound and rejected drafts
+    cost more than accepted ones save. 8 is where ordinary chat broke even for SmolLM2
+    fp32 on 2 CPU cores (1.23x at 1 request, 1.06x at 4, 0.99x at 8, 0.84x at 16;
+    BENCHMARKS.md); raise it for outputs that repeat their input (the "repeat"
+    workload gained 1.83x at 16) or where decode steps are memory-bound (GPUs)."""
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:

@@ -173,13 +173,19 @@ def run(
         raise ValueError(f"workloads {workloads!r}: choose from {', '.join(WORKLOADS)}")
     if quick:
         requests, rounds, concurrencies = 2, 1, (1, 2)
+    # disable_by_batch_size: None keeps the schema's default; 0 drafts at any size.
+    limit = (
+        {}
+        if disable_by_batch_size is None
+        else {"disable_by_batch_size": disable_by_batch_size or None}
+    )
     llm = LLM(
         model,
         dtype=dtype,
         num_speculative_tokens=num_speculative_tokens,
         prompt_lookup_min=prompt_lookup_min,
         prompt_lookup_max=prompt_lookup_max,
-        disable_by_batch_size=disable_by_batch_size,
+        **limit,
         max_num_seqs=max(max(concurrencies), 1),
         seed=seed,
         num_threads=num_threads,
@@ -240,7 +246,7 @@ def run(
             "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_min": prompt_lookup_min,
             "prompt_lookup_max": prompt_lookup_max,
-            "disable_by_batch_size": disable_by_batch_size,
+            "disable_by_batch_size": proposer.config.disable_by_batch_size,
         },
         "torch_num_threads": num_threads,
         "cpu": cpu_info(),
