@@ -49,7 +49,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     """Longest suffix tried first."""
     method: str = "ngram"
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = 8
     """Draft only while fewer than this many requests run; None: always."""
 
     def __post_init__(self) -> None:
