@@ -83,6 +83,22 @@ inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D
   }
 }
 
+// Calls row(pointer to the row, t) for positions first + t, t in [0, width), of one
+// head's K or V cache through the block table. Block by block: a block's rows are
+// s_off apart, so no division per position; the next block is prefetched first.
+template <typename KV, typename Row>
+inline void for_each_row(const KV* base, int64_t s_blk, int64_t s_off, const int32_t* table,
+                         int32_t first, int32_t width, int32_t bs, int32_t D, Row&& row) {
+  const int32_t end = first + width;
+  for (int32_t b = first / bs, t = 0; t < width; ++b) {
+    const KV* blk = base + (int64_t)table[b] * s_blk;
+    if (t + bs < width) prefetch_rows(base + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
+    const int32_t lo = (b == first / bs) ? first % bs : 0;
+    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
+    for (int32_t j = lo; j < hi; ++j, ++t) row(blk + (int64_t)j * s_off, t);
+  }
+}
+
 template <typename KV, typename QO, int DC, int GC>
 void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
             const KV* __restrict v, int64_t s_blk, int64_t s_off, const int32_t* table,
@@ -90,24 +106,16 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
             float* __restrict qf, float* __restrict scores, float* __restrict acc) {
   const int32_t D = DC > 0 ? DC : Drt;
   const int32_t G = GC > 0 ? GC : Grt;
-  const int32_t end = first + width;
   for (int64_t x = 0; x < (int64_t)G * D; ++x) qf[x] = to_f(q[x]) * scale;
-  // Block by block: a block's rows are s_off apart, so no division per position.
-  for (int32_t b = first / bs, t = 0; t < width; ++b) {
-    const KV* kb = k + (int64_t)table[b] * s_blk;
-    if (t + bs < width) prefetch_rows(k + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
-    const int32_t lo = (b == first / bs) ? first % bs : 0;
-    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
-    for (int32_t j = lo; j < hi; ++j, ++t) {
-      const KV* __restrict kr = kb + (int64_t)j * s_off;
-      for (int32_t g = 0; g < G; ++g) {
-        const float* __restrict qg = qf + (int64_t)g * D;
-        float s = 0.0f;
-        for (int32_t d = 0; d < D; ++d) s += qg[d] * to_f(kr[d]);
-        scores[(int64_t)g * width + t] = s;
-      }
+  for_each_row(k, s_blk, s_off, table, first, width, bs, D,
+               [&](const KV* __restrict kr, int32_t t) {
+    for (int32_t g = 0; g < G; ++g) {
+      const float* __restrict qg = qf + (int64_t)g * D;
+      float s = 0.0f;
+      for (int32_t d = 0; d < D; ++d) s += qg[d] * to_f(kr[d]);
+      scores[(int64_t)g * width + t] = s;
     }
-  }
+  });
   for (int32_t g = 0; g < G; ++g) {
     float* __restrict sg = scores + (int64_t)g * width;
     float m = -FLT_MAX;  // -ffast-math: no infinities
@@ -121,20 +129,14 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
     for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
   }
   for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
-  for (int32_t b = first / bs, t = 0; t < width; ++b) {
-    const KV* vb = v + (int64_t)table[b] * s_blk;
-    if (t + bs < width) prefetch_rows(v + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
-    const int32_t lo = (b == first / bs) ? first % bs : 0;
-    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
-    for (int32_t j = lo; j < hi; ++j, ++t) {
-      const KV* __restrict vr = vb + (int64_t)j * s_off;
-      for (int32_t g = 0; g < G; ++g) {
-        const float w = scores[(int64_t)g * width + t];
-        float* __restrict ag = acc + (int64_t)g * D;
-        for (int32_t d = 0; d < D; ++d) ag[d] += w * to_f(vr[d]);
-      }
+  for_each_row(v, s_blk, s_off, table, first, width, bs, D,
+               [&](const KV* __restrict vr, int32_t t) {
+    for (int32_t g = 0; g < G; ++g) {
+      const float w = scores[(int64_t)g * width + t];
+      float* __restrict ag = acc + (int64_t)g * D;
+      for (int32_t d = 0; d < D; ++d) ag[d] += w * to_f(vr[d]);
     }
-  }
+  });
   for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
 }
 
