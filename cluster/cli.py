@@ -258,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--max-tokens", type=_positive, default=None, help="cap every output")
     spec.add_argument("--num-threads", type=_positive, default=None, help="torch threads")
     spec.add_argument("--quick", action="store_true", help="a small workload (CI smoke test)")
+    spec.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="draw ITL p50 / p99 and tokens/s with speculation off and on",
+    )
+    spec.add_argument(
+        "--plot-from",
+        default=None,
+        metavar="RUN.json",
+        help="--plot: draw an earlier run's JSON (spur bench spec --json) instead of running",
+    )
     spec.add_argument("--json", action="store_true")
     gpu = bench_sub.add_parser(
         "gpu", help="Triton kernels, decode HBM bandwidth, CUDA graphs (actors/gpu_check.py)"
@@ -662,13 +674,31 @@ def _earlier_runs(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
     return runs
 
 
+def _spec_run_from(path: str, plot_path: str | None) -> dict[str, Any]:
+    """--plot-from RUN.json of `bench spec`: the earlier run, checked to be one (UsageError
+    otherwise); only with --plot (it replaces the bench, which then does not run)."""
+    from spur.cluster.bench import plot
+
+    if not plot_path:
+        raise UsageError("--plot-from RUN.json redraws an earlier run: give --plot PATH.png too")
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--plot-from {path}: cannot read it: {e}") from None
+    try:
+        plot.spec_levels(result)
+    except ValueError as e:
+        raise UsageError(f"--plot-from {path}: {e}") from None
+    return result
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     out = json_stdout() if getattr(args, "json", False) else None
     if args.bench == "core":
         from spur.cluster.bench import core
 
         result = core.run(num_requests=args.requests, seed=args.seed)
-    elif args.bench in ("serve", "engine") and args.plot and not _plot_ready():
+    elif args.bench in ("serve", "engine", "spec") and args.plot and not _plot_ready():
         return 1
     elif args.bench == "serve" and args.peer:
         result = _bench_peer(args)
@@ -753,6 +783,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         except RuntimeError as e:
             raise UsageError(f"the autoscale benchmark could not run: {e}") from None
+    elif args.bench == "spec" and args.plot_from:
+        result = _spec_run_from(args.plot_from, args.plot)
     elif args.bench == "spec":
         from spur.cluster.bench import spec
 
@@ -798,6 +830,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         runs = [*earlier, (args.plot_label, result)]
         result["plot"] = str(plot.engine_profile(runs, args.plot))
+    elif args.bench == "spec" and args.plot:
+        from spur.cluster.bench import plot
+
+        result["plot"] = str(plot.spec_itl(result, args.plot))
     if out is not None:
         print_json(out, result)
     else:

@@ -1,5 +1,5 @@
-"""`--plot PATH.png` for `spur bench serve` and `spur bench engine` (needs matplotlib:
-the `bench` extra).
+"""`--plot PATH.png` for `spur bench serve`, `spur bench engine` and `spur bench spec`
+(needs matplotlib: the `bench` extra).
 
 `draw(result, path)` picks the picture for the result: with `--peer`, spur and
 llama.cpp side by side (`peer.plot`); otherwise the Serve path against its
@@ -7,10 +7,13 @@ baseline (the offline engine, or `--baseline-url`): tokens/s of both arms and th
 served arm's TTFT p50 / p99 against concurrency. `engine_profile(runs, path)`:
 where a `bench engine` run's seconds went per dtype, as stacked bars, beside
 earlier runs (`--plot-with LABEL=RUN.json`: the same workload before a lever).
+`spec_itl(result, path)`: a `bench spec` run's inter-token latency p50 / p99 and
+tokens/s with speculation off and on, per workload and concurrency.
 """
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -130,6 +133,126 @@ def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> 
     model = runs[-1][1].get("model", "")
     fig.suptitle(f"spur bench engine: {model}, where spur's time went", fontsize=9)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# (arm, label, color) of `spec_itl`'s bars; p99 is the same color, hatched and lighter.
+SPEC_ARMS = (("off", "speculation off", "#4c72b0"), ("on", "speculation on", "#dd8452"))
+
+
+def spec_levels(result: dict[str, Any]) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Per workload, its levels as (concurrency, level) sorted by concurrency.
+    ValueError when `result` is not a `bench spec` result (names what it is)."""
+    if not isinstance(result, dict) or result.get("bench") != "spec":
+        kind = result.get("bench") if isinstance(result, dict) else type(result).__name__
+        raise ValueError(f"not a `spur bench spec` result (bench is {kind!r}): rerun with --json")
+    try:
+        return {
+            workload: sorted((int(c), lv) for c, lv in entry["levels"].items())
+            for workload, entry in result["results"].items()
+        }
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"a `bench spec` result without its levels ({e!r})") from None
+
+
+def spec_arm(level: dict[str, Any], arm: str, key: str) -> float | None:
+    """Median over rounds of one figure of one arm of a level (None if no round has it)."""
+    runs = level[arm] if isinstance(level[arm], list) else [level[arm]]
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def spec_itl(result: dict[str, Any], path: str | Path) -> Path:
+    """Write the PNG of a `bench spec` result: per workload (a column), ITL p50 and p99
+    (top) and tokens/s (bottom) of both arms at each concurrency, each the median of
+    the rounds, with the level's median ratio on / off over the tokens/s bars.
+    Returns its path; ValueError for a result of another bench (nothing written)."""
+    workloads = spec_levels(result)
+    plt = pyplot()
+    cols = len(workloads)
+    fig, axes = plt.subplots(
+        2,
+        cols,
+        figsize=(5.2 * cols, 7.0),
+        squeeze=False,
+        gridspec_kw={"height_ratios": (3, 2)},
+    )
+    sp = result.get("speculative", {})
+    limit = sp.get("disable_by_batch_size")
+    width = 0.2
+    for col, (workload, levels) in enumerate(workloads.items()):
+        top, bottom = axes[0][col], axes[1][col]
+        xs = range(len(levels))
+        # Four bars a level: off p50, on p50, off p99, on p99.
+        for i, (q, hatch, alpha) in enumerate((("p50", "", 1.0), ("p99", "//", 0.55))):
+            for j, (arm, label, color) in enumerate(SPEC_ARMS):
+                offset = (2 * i + j - 1.5) * width
+                ys = [spec_arm(lv, arm, f"itl_ms_{q}") or 0.0 for _, lv in levels]
+                bars = top.bar(
+                    [x + offset for x in xs],
+                    ys,
+                    width,
+                    color=color,
+                    alpha=alpha,
+                    hatch=hatch,
+                    edgecolor="white" if not hatch else color,
+                    label=f"ITL {q}, {label}",
+                )
+                top.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+        top.set(title=f'"{workload}": inter-token latency', ylabel="ms")
+        top.margins(y=0.12)
+        for j, (arm, label, color) in enumerate(SPEC_ARMS):
+            ys = [spec_arm(lv, arm, "tokens_per_s") or 0.0 for _, lv in levels]
+            bars = bottom.bar(
+                [x + (j - 0.5) * 2 * width for x in xs], ys, 2 * width, color=color, label=label
+            )
+            bottom.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+        for x, (c, lv) in zip(xs, levels, strict=True):
+            ratio = lv.get("speedup")
+            drafts = spec_arm(lv, "on", "draft_tokens")
+            accepted = spec_arm(lv, "on", "accepted_tokens")
+            note = f"on/off {ratio:.2f}x tokens/s" if ratio else "on/off n/a"
+            if drafts:
+                note += f"\n{accepted:.0f} of {drafts:.0f} drafts kept"
+            else:
+                note += "\nno drafts"
+            if limit and c >= limit:
+                note += f"\n(drafts only while < {limit} run)"
+            high = max(spec_arm(lv, a, "tokens_per_s") or 0.0 for a, _, _ in SPEC_ARMS)
+            bottom.annotate(
+                note,
+                (x, high),
+                xytext=(0, 12),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                fontweight="bold",
+            )
+        bottom.set(title=f'"{workload}": output tokens/s', ylabel="tokens/s")
+        bottom.margins(y=0.6)
+        for ax in (top, bottom):
+            ax.set_xticks(list(xs), [f"concurrency {c}" for c, _ in levels])
+            ax.set_ylim(bottom=0)
+            ax.grid(True, axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4, frameon=False)
+    cpu = result.get("cpu", {})
+    title = (
+        f"spur bench spec: {result.get('model', '')} {result.get('dtype', '')}, "
+        f"{cpu.get('model', 'unknown CPU')} ({cpu.get('cores', '?')} cores)\n"
+        f"{sp.get('method', 'ngram')} speculation, "
+        f"num_speculative_tokens={sp.get('num_speculative_tokens', '?')}, "
+        f"disable_by_batch_size={limit if limit else 'off (drafts at any size)'}"
+        f"\nmedian of {result.get('rounds', '?')} alternating rounds; "
+        "ITL = gap between a request's steps / tokens that step gave it"
+    )
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
