@@ -46,6 +46,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SPUR_AVX512 1
+#endif
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -140,6 +145,131 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
   for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
 }
 
+#ifdef SPUR_AVX512
+// The AVX-512 path for head_dim 64 and 128. The loop above spends most of its time
+// in a horizontal sum per position and query head (the dot product's 16 lanes to one
+// score) and in reloading and storing its float accumulators per row: here a run of
+// up to 16 rows of a block is one unit. K: each row's dot product stays a vector of 16
+// lane sums, and sum16x16 turns the 16 rows' vectors into their 16 scores with 15
+// shuffle-adds (not 16 separate reductions); V: the accumulators of one query head
+// stay in registers over the run. bf16 rows are widened to float once per run into an
+// L1 scratch (not once per query head). Same math, float32 throughout; only the
+// order of the additions differs from the loop above.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels.
+inline __m512 sum16x16(const __m512* a) {
+  __m512 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)  // c[i]: 128-bit lanes 0-1 hold a[2i]'s partials, 2-3 a[2i+1]'s
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // d[i]: lane k holds 4 partials of a[4i + k]
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // e[i]: lane k holds 2 of a[8i + k], 2 of a[8i + 4 + k]
+    e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+  // f[4k + m] = sum(a[4m + k]); put them in order
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                                 _mm512_shuffle_ps(e[0], e[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// Calls run(rows, stride, n, t) for runs of n <= 16 consecutive rows of one block
+// (positions first + t .. first + t + n - 1), rows as float: in place for a float
+// cache, widened into `scratch` ([16, D]) for bf16. Prefetches the next block.
+template <typename KV, typename Run>
+inline void for_each_run(const KV* base, int64_t s_blk, int64_t s_off, const int32_t* table,
+                         int32_t first, int32_t width, int32_t bs, int32_t D,
+                         float* __restrict scratch, Run&& run) {
+  const int32_t end = first + width;
+  for (int32_t b = first / bs, t = 0; t < width; ++b) {
+    const KV* blk = base + (int64_t)table[b] * s_blk;
+    if (t + bs < width) prefetch_rows(base + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
+    int32_t lo = (b == first / bs) ? first % bs : 0;
+    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
+    while (lo < hi) {
+      const int32_t n = std::min<int32_t>(16, hi - lo);
+      const KV* r0 = blk + (int64_t)lo * s_off;
+      if constexpr (std::is_same_v<KV, float>) {
+        run(r0, s_off, n, t);
+      } else {
+        for (int32_t j = 0; j < n; ++j)
+          for (int32_t d = 0; d < D; d += 16) {
+            const __m256i h = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(r0 + (int64_t)j * s_off + d));
+            _mm512_storeu_ps(scratch + (int64_t)j * D + d,
+                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+          }
+        run(static_cast<const float*>(scratch), (int64_t)D, n, t);
+      }
+      lo += n;
+      t += n;
+    }
+  }
+}
+
+template <typename KV, typename QO, int D>
+void attend512(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
+               const KV* __restrict v, int64_t s_blk, int64_t s_off, const int32_t* table,
+               int32_t first, int32_t width, int32_t bs, int32_t G, float scale,
+               float* __restrict qf, float* __restrict scores, float* __restrict acc,
+               float* __restrict scratch) {
+  constexpr int C = D / 16;
+  for (int64_t x = 0; x < (int64_t)G * D; ++x) qf[x] = to_f(q[x]) * scale;
+  for_each_run(k, s_blk, s_off, table, first, width, bs, D, scratch,
+               [&](const float* __restrict r0, int64_t stride, int32_t n, int32_t t) {
+    for (int32_t g = 0; g < G; ++g) {
+      __m512 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = load16(qf + (int64_t)g * D + 16 * c);
+      __m512 a[16];
+      for (int32_t j = 0; j < 16; ++j) {
+        if (j < n) {
+          const float* r = r0 + (int64_t)j * stride;
+          __m512 s = _mm512_mul_ps(qv[0], load16(r));
+          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], load16(r + 16 * c), s);
+          a[j] = s;
+        } else {
+          a[j] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(scores + (int64_t)g * width + t, (__mmask16)((1u << n) - 1u),
+                            sum16x16(a));
+    }
+  });
+  for (int32_t g = 0; g < G; ++g) {
+    float* __restrict sg = scores + (int64_t)g * width;
+    float m = -FLT_MAX;  // -ffast-math: no infinities
+    for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
+    float total = 0.0f;
+    for (int32_t t = 0; t < width; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      total += sg[t];
+    }
+    const float inv = 1.0f / total;
+    for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
+  }
+  for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
+  for_each_run(v, s_blk, s_off, table, first, width, bs, D, scratch,
+               [&](const float* __restrict r0, int64_t stride, int32_t n, int32_t t) {
+    for (int32_t g = 0; g < G; ++g) {
+      __m512 av[C];
+      float* ag = acc + (int64_t)g * D;
+      for (int c = 0; c < C; ++c) av[c] = load16(ag + 16 * c);
+      const float* w = scores + (int64_t)g * width + t;
+      for (int32_t j = 0; j < n; ++j) {
+        const __m512 wj = _mm512_set1_ps(w[j]);
+        const float* r = r0 + (int64_t)j * stride;
+        for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wj, load16(r + 16 * c), av[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + 16 * c, av[c]);
+    }
+  });
+  for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
+}
+#endif
+
 template <typename KV, typename QO>
 void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& kc,
                   const at::Tensor& vc, const at::Tensor& tables, const at::Tensor& rows,
@@ -173,6 +303,7 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
   const int64_t team = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     std::vector<float> qf((size_t)G * D), scores((size_t)G * widest), acc((size_t)G * D);
+    std::vector<float> scratch((size_t)16 * D);
     for (;;) {
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
       if (task >= tasks) break;
@@ -196,6 +327,19 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
       // Head geometry as constants where models have it (SmolLM2: D 64, G 3; Llama 3
       // and Qwen: D 128, G 4 to 8): the head loops unroll and the q rows stay in
       // registers.
+#ifdef SPUR_AVX512
+      if (D == 64 || D == 128) {
+        if (D == 64)
+          attend512<KV, QO, 64>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G,
+                                (float)scale, qf.data(), scores.data(), acc.data(),
+                                scratch.data());
+        else
+          attend512<KV, QO, 128>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G,
+                                 (float)scale, qf.data(), scores.data(), acc.data(),
+                                 scratch.data());
+        continue;
+      }
+#endif
       if (D == 64 && G == 3) run(D64{}, std::integral_constant<int, 3>{});
       else if (D == 64 && G == 4) run(D64{}, std::integral_constant<int, 4>{});
       else if (D == 64) run(D64{}, Any{});

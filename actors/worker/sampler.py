@@ -92,7 +92,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits if rows is None else logits[rows], dim=-1)
 
         if not meta.needs_processing:
-            sampled = logits.argmax(dim=-1)  # the fast path: greedy, nothing to process
+            sampled = greedy_ids_of(logits)  # the fast path: greedy, nothing to process
         else:
             sampled = self._process_and_sample(logits, meta)
 
@@ -107,8 +107,8 @@ class Sampler:
         apply_min_tokens(logits, meta.min_tokens)
         apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if meta.greedy is not None else None
+            return greedy_ids_of(logits)
+        greedy_ids = greedy_ids_of(logits) if meta.greedy is not None else None
         if meta.temperature is not None:
             logits.div_(meta.temperature.unsqueeze(1))
         apply_top_k(logits, meta.top_k)
@@ -166,10 +166,10 @@ class Sampler:
         apply_min_tokens(logits, meta.min_tokens)
         apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
-            chosen = logits.argmax(dim=-1)  # [num_rows]
+            chosen = greedy_ids_of(logits)  # [num_rows]
             accept = chosen[rows_t] == ids_t  # [D]
         else:
-            greedy_ids = logits.argmax(dim=-1) if meta.greedy is not None else None
+            greedy_ids = greedy_ids_of(logits) if meta.greedy is not None else None
             if meta.temperature is not None:
                 logits.div_(meta.temperature.unsqueeze(1))
             apply_top_k(logits, meta.top_k)
@@ -207,6 +207,17 @@ class Sampler:
             k += len(d)
             tokens.append(out)
         return tokens, [row_logprobs[start] for start in starts]
+
+
+def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row: [num_rows, vocab] -> [num_rows] int64.
+
+    The index of the first maximal value, exactly `logits.argmax(dim=-1)` (ties, NaN
+    and -inf rows included; tests/worker/test_sampler.py checks it against argmax), but
+    through `max(dim=-1)`: on CPU torch's argmax runs about 3x slower (1.34 vs 0.47 ms
+    for [36, 49152] float32 on 2 cores), and the greedy pick ran once per step.
+    """
+    return logits.max(dim=-1).indices
 
 
 def _uniform_per_row(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spur.actors.step import SamplingParams
-from spur.actors.worker.sampler import Sampler, apply_top_k, apply_top_p
+from spur.actors.worker.sampler import Sampler, apply_top_k, apply_top_p, greedy_ids_of
 from spur.actors.worker.sampling_metadata import RowValues, SamplerState
 
 torch.set_num_threads(1)
@@ -60,6 +60,23 @@ def test_greedy_is_argmax_on_the_fast_path() -> None:
     assert torch.equal(out.sampled_token_ids, expected)
     assert out.logprobs == [None] * 7
     state.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_pick_is_argmax_with_ties_nan_and_inf(dtype) -> None:
+    """greedy_ids_of goes through max(dim=-1) for speed: it must pick argmax's index,
+    the first maximal one, on rows full of ties (small integers), with a NaN, and with
+    every value -inf, at vocab sizes on both sides of torch's vectorised widths."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(120):
+        rows = int(torch.randint(1, 40, (1,), generator=gen))
+        vocab = int(torch.randint(2, 50_000, (1,), generator=gen))
+        x = torch.randint(-3, 4, (rows, vocab), generator=gen).to(dtype)
+        if case % 3 == 0:
+            x[0, vocab // 2] = float("nan")
+        if case % 5 == 0:
+            x[-1] = float("-inf")
+        assert torch.equal(greedy_ids_of(x), x.argmax(dim=-1)), (rows, vocab, case)
 
 
 def test_fast_path_does_not_look_at_requests() -> None:
