@@ -374,6 +374,26 @@ class ModelRunner:
             for tokens, logits, count in shapes
         )
 
+    def memory_read_rate(self, buffer_bytes: int = 1 << 30, repeats: int = 3) -> float:
+        """Bytes per second this rank's device streams from its memory: the fastest of
+        `repeats` sums over a float32 buffer of `buffer_bytes` (1 GiB by default: more
+        than the last-level cache of the CPUs measured here, e.g. 480 MiB of L3, so the
+        sum reads DRAM; on CUDA, HBM). The floor of memory-bound work: decode attention
+        must read every K/V row of its context once per step, at best at this rate.
+        The buffer is freed before returning.
+        """
+        buf = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=self.device)
+        buf.sum()  # first touch: page faults are not reads
+        _sync(self.device)
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            buf.sum()
+            _sync(self.device)
+            best = min(best, time.perf_counter() - t0)
+        del buf
+        return buffer_bytes / best
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -223,6 +223,11 @@ class Worker:
         assert self.runner is not None, "load_model first"
         return self.runner.time_matmuls(shapes)
 
+    def memory_read_rate(self) -> float:
+        """See `ModelRunner.memory_read_rate`."""
+        assert self.runner is not None, "load_model first"
+        return self.runner.memory_read_rate()
+
     def ping(self) -> int:
         return os.getpid()
 

@@ -168,7 +168,11 @@ def run_spur_arm(
     With `matmul_floor`, the timed run's step shapes are replayed through the
     model's linear layers and LM head alone (`ModelRunner.time_matmuls`) before
     shutting down: `matmul_s` is what the run would take if attention, norms,
-    sampling and scheduling cost nothing.
+    sampling and scheduling cost nothing. Decode attention is not free, though: it
+    must read each context's K/V rows once per step, a memory-bound cost that no
+    kernel removes. So the arm also measures the device's read rate
+    (`ModelRunner.memory_read_rate`) and reports `kv_read_floor_s`, the workload's
+    decode K/V bytes at that rate (see `_kv_floor`).
     """
     from spur.actors.llm import LLM
     from spur.actors.step import SamplingParams
@@ -202,6 +206,11 @@ def run_spur_arm(
                 shapes = _shape_delta(before, after_times["shapes"])
                 matmul_s = max(llm.executor.collective_rpc("time_matmuls", (shapes,)))
                 floor = _floor(shapes, matmul_s, elapsed)
+                rate = min(llm.executor.collective_rpc("memory_read_rate"))
+                kv_bytes = decode_kv_positions(prompts, output_lens) * (
+                    block_bytes // llm.scheduler.block_size
+                )
+                floor.update(_kv_floor(kv_bytes, rate, matmul_s, elapsed))
             profile = step_profile(before_times, after_times, elapsed, matmul_s)
         finally:
             llm.shutdown()
@@ -343,6 +352,38 @@ def _floor(shapes: list[tuple[int, int, int]], matmul_s: float, elapsed: float) 
     }
 
 
+def decode_kv_positions(prompts: list[list[int]], output_lens: list[int]) -> int:
+    """K/V positions the workload's decode steps read, each a K and a V row in every
+    layer: output token i (i >= 1; token 0 comes from the prefill) attends to the
+    prompt and the i tokens before it, P + i positions. Exact for this bench's runs
+    (greedy, ignore_eos, no speculation); a preemption re-prefills, no decode reads."""
+    return sum(
+        (k - 1) * len(p) + k * (k - 1) // 2
+        for p, k in zip(prompts, output_lens, strict=True)
+        if k > 0
+    )
+
+
+def _kv_floor(kv_bytes: int, rate: float, matmul_s: float, elapsed: float) -> dict[str, Any]:
+    """The memory-bound part of the floor: decode K/V bytes at the device's read rate.
+
+    `floor_s` = matmuls + K/V reads: what the run would take if nothing else cost
+    time; `floor_share` = floor_s / elapsed. `matmul_share_bound` = matmul_s / floor_s
+    is the highest `matmul_share` (hence throughput_ratio / matmul_ceiling_ratio) any
+    engine could reach on this machine, workload and KV dtype.
+    """
+    kv_s = kv_bytes / rate if rate > 0 else 0.0
+    floor_s = matmul_s + kv_s
+    return {
+        "kv_read_bytes": kv_bytes,
+        "memory_read_gbps": round(rate / 1e9, 2),
+        "kv_read_floor_s": round(kv_s, 3),
+        "floor_s": round(floor_s, 3),
+        "floor_share": round(floor_s / elapsed, 3) if elapsed > 0 else None,
+        "matmul_share_bound": round(matmul_s / floor_s, 3) if floor_s > 0 else None,
+    }
+
+
 def run_hf_arm(
     model_dir: Path,
     prompts: list[list[int]],
@@ -454,6 +495,10 @@ def run(
                 if s.get("matmul_ceiling_tokens_per_s"):
                     entry["matmul_ceiling_ratio"] = round(
                         s["matmul_ceiling_tokens_per_s"] / h["tokens_per_s"], 3
+                    )
+                    # the issue's goal figure: spur's share of the way to the ceiling
+                    entry["ceiling_share"] = round(
+                        entry["throughput_ratio"] / entry["matmul_ceiling_ratio"], 3
                     )
             entry["token_match"] = _token_match(s["token_ids"], h["token_ids"])
             if s["kv_slots_allocated_peak"] and h["kv_slots_allocated_peak"]:

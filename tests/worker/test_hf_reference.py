@@ -198,11 +198,37 @@ def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir, tp):
     assert prof["matmuls_s"] == spur["matmul_s"]
     assert 0 <= prof["outside_matmuls_s"] <= prof["forward_s"] + prof["logits_s"]
     assert set(out["matmul_paths"][0]) == {"dtype", "library", "implementation", "isa"}
+    # The K/V part of the floor: every decode reads its context's K and V rows in
+    # every layer (this rank's heads), at the read rate measured in the worker.
+    prompts, outs, _ = engine.make_workload(
+        llama_dir, num_requests=out["num_requests"], seed=out["seed"], quick=True
+    )
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    row_bytes = cfg["num_key_value_heads"] // tp * head_dim * 4  # float32
+    per_position = 2 * cfg["num_hidden_layers"] * row_bytes
+    assert spur["kv_read_bytes"] == engine.decode_kv_positions(prompts, outs) * per_position
+    assert spur["memory_read_gbps"] > 0
+    kv_s = spur["kv_read_bytes"] / (spur["memory_read_gbps"] * 1e9)
+    assert spur["kv_read_floor_s"] == pytest.approx(kv_s, rel=0.01, abs=0.001)
+    assert spur["floor_s"] == pytest.approx(spur["matmul_s"] + spur["kv_read_floor_s"], abs=0.002)
+    assert 0 < spur["matmul_share_bound"] <= 1
     if tp > 1:
         return
     assert spur["matmul_s"] < spur["elapsed_s"]
     assert 0 < spur["matmul_share"] < 1
     assert entry["matmul_ceiling_ratio"] > entry["throughput_ratio"]
+    assert entry["ceiling_share"] == pytest.approx(
+        entry["throughput_ratio"] / entry["matmul_ceiling_ratio"], abs=0.002
+    )
+
+
+def test_decode_reads_count_the_prompt_and_the_tokens_before():
+    """Token 0 comes from the prefill; token i >= 1 reads P + i positions."""
+    from spur.cluster.bench.engine import decode_kv_positions
+
+    assert decode_kv_positions([[1, 2, 3], [1] * 5], [1, 4]) == 0 + (6 + 7 + 8)
+    assert decode_kv_positions([[7] * 10], [0]) == 0
 
 
 # ---- the real demo model ---------------------------------------------------------
