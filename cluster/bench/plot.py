@@ -67,6 +67,7 @@ def draw(result: dict[str, Any], path: str | Path) -> Path:
 # Segments of a spur run's bar, bottom to top: (profile key, legend).
 ENGINE_SEGMENTS = (
     ("matmuls_s", "matmuls (linear layers, LM head)"),
+    ("kv_read_floor_s", "decode attention's K/V reads at the measured memory read rate"),
     ("outside_matmuls_s", "rest of the forward (attention, norms, RoPE, KV store, dispatch)"),
     ("prepare_s", "step inputs"),
     ("sample_s", "sampling"),
@@ -77,14 +78,20 @@ ENGINE_SEGMENTS = (
 def engine_segments(spur: dict[str, Any]) -> dict[str, float]:
     """Seconds per segment of one `bench engine` spur arm. A run without the phase
     profile (older JSON) splits into its matmul floor and the rest; without the floor
-    the forward stays whole (as "rest of the forward")."""
+    the forward stays whole (as "rest of the forward"). With the K/V read floor
+    (`kv_read_floor_s`), that much of the rest is drawn as its own segment: the part
+    of decode attention no kernel can remove."""
     prof = spur.get("profile")
     if not prof:
         total, mm = spur["elapsed_s"], spur.get("matmul_s") or 0.0
-        return {"matmuls_s": mm, "outside_matmuls_s": max(0.0, total - mm)}
-    out = {key: float(prof.get(key) or 0.0) for key, _ in ENGINE_SEGMENTS}
-    if "matmuls_s" not in prof:
-        out["outside_matmuls_s"] = prof["forward_s"] + prof["logits_s"]
+        out = {"matmuls_s": mm, "outside_matmuls_s": max(0.0, total - mm)}
+    else:
+        out = {key: float(prof.get(key) or 0.0) for key, _ in ENGINE_SEGMENTS}
+        if "matmuls_s" not in prof:
+            out["outside_matmuls_s"] = prof["forward_s"] + prof["logits_s"]
+    kv = min(float(spur.get("kv_read_floor_s") or 0.0), out["outside_matmuls_s"])
+    out["kv_read_floor_s"] = kv
+    out["outside_matmuls_s"] -= kv
     return out
 
 
@@ -118,6 +125,8 @@ def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> 
             if e.get("throughput_ratio"):
                 ceiling = e.get("matmul_ceiling_ratio")
                 share = f"\nshare {e['throughput_ratio'] / ceiling:.2f}" if ceiling else ""
+                bound = e["spur"].get("matmul_share_bound")
+                share += f"\nbound {bound:.2f}" if bound else ""
                 ax.annotate(
                     f"{e['throughput_ratio']:.2f}x{share}",
                     (x, bottoms[x]),

@@ -39,7 +39,20 @@ def test_segments_of_a_profiled_run_add_up_to_its_time():
 
 def test_an_older_run_splits_into_its_floor_and_the_rest():
     got = plot.engine_segments({"elapsed_s": 83.9, "matmul_s": 32.6})
-    assert got == {"matmuls_s": 32.6, "outside_matmuls_s": pytest.approx(51.3)}
+    assert got == {
+        "matmuls_s": 32.6,
+        "kv_read_floor_s": 0.0,
+        "outside_matmuls_s": pytest.approx(51.3),
+    }
+
+
+def test_the_kv_read_floor_is_carved_out_of_the_rest():
+    got = plot.engine_segments({"elapsed_s": 62.0, "profile": PROFILE, "kv_read_floor_s": 6.2})
+    assert sum(got.values()) == pytest.approx(62.0)
+    assert got["kv_read_floor_s"] == 6.2 and got["outside_matmuls_s"] == pytest.approx(11.8)
+    # never more than the rest it is part of
+    got = plot.engine_segments({"elapsed_s": 62.0, "profile": PROFILE, "kv_read_floor_s": 99})
+    assert got["kv_read_floor_s"] == 18.0 and got["outside_matmuls_s"] == 0.0
 
 
 def test_profile_plot_draws_every_run(tmp_path: Path):
@@ -47,6 +60,19 @@ def test_profile_plot_draws_every_run(tmp_path: Path):
     runs = [
         ("before", _result({"elapsed_s": 83.9, "matmul_s": 32.6}, 2.65, 6.82)),
         ("after", _result({"elapsed_s": 62.0, "profile": PROFILE}, 3.4, 6.35)),
+        (
+            "with the K/V floor",
+            _result(
+                {
+                    "elapsed_s": 62.0,
+                    "profile": PROFILE,
+                    "kv_read_floor_s": 6.2,
+                    "matmul_share_bound": 0.82,
+                },
+                3.4,
+                6.35,
+            ),
+        ),
     ]
     out = plot.engine_profile(runs, tmp_path / "sub" / "engine.png")
     import matplotlib.image
