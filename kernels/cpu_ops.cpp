@@ -27,6 +27,9 @@
 //   rope_store_kv(qkv, positions, cos_sin, kv_cache, slots, Hq, Hkv, D, rd) -> q
 //       RoPE ("rotate half") of q and k at positions, k and v written into
 //       kv_cache[0 / 1] at slots (-1: skip); returns the rotated q [n, Hq, D].
+//   small_linear(x [M, K], weight [N, K], bias [N]?) -> x W^T + bias  [M, N]
+//       bfloat16 only, M 1 to 4, K a multiple of 32, AVX-512 BF16 builds only
+//       (small_linear_supported() says); float32 accumulation, one rounding.
 // Each rounds where its torch reference rounds (bf16: after every op), so bf16
 // results equal the reference up to float32 summation order.
 
@@ -42,6 +45,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -600,6 +604,92 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
   return q;
 }
 
+// ----------------------------------------------------------------- small-batch bf16 linear
+//
+// y = x W^T (+ bias) for a few rows of x (decode steps of 1 to 4 requests), bf16 in,
+// bf16 out, float32 accumulation. torch's bf16 matmul (oneDNN's AMX brgemm) reads the
+// weights at about 14 GB/s for one row of x, half the rate of its float32 GEMV, so a
+// bf16 model decoded one request at a time was no faster than float32. Here each
+// weight row is read once for all M rows of x with AVX-512 BF16 dot products (exact
+// bf16 products, float32 sums: the order differs from oneDNN's, the rounding to bf16
+// happens once at the end as there). R = 16 / M weight rows per unit, so that the
+// M x R dot products' lane vectors go through one sum16x16.
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+constexpr bool kSmallLinear = true;
+
+template <int M>
+void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
+                        int64_t K, int64_t x_row, int64_t w_row) {
+  constexpr int R = 16 / M;
+  const int64_t units = (N + R - 1) / R;
+  at::parallel_for(0, units, 8, [&](int64_t ub, int64_t ue) {
+    alignas(64) float out[16];
+    for (int64_t u = ub; u < ue; ++u) {
+      const int64_t n0 = u * R;
+      const int rows = (int)std::min<int64_t>(R, N - n0);
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 32) {
+        __m512bh xv[M];
+        for (int m = 0; m < M; ++m)
+          xv[m] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * x_row + k));
+        for (int j = 0; j < rows; ++j) {
+          const bf16* wr = w + (n0 + j) * w_row + k;
+          // the same cache line of the next unit's row: one unit (R rows) ahead
+          if (n0 + R + j < N) __builtin_prefetch(wr + R * w_row, 0, 3);
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr));
+          for (int m = 0; m < M; ++m) a[m * R + j] = _mm512_dpbf16_ps(a[m * R + j], wv, xv[m]);
+        }
+      }
+      _mm512_store_ps(out, sum16x16(a));
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < rows; ++j) {
+          const float b = bias ? to_f(bias[n0 + j]) : 0.0f;
+          y[m * N + n0 + j] = from_f<bf16>(out[m * R + j] + b);
+        }
+    }
+  });
+}
+#else
+constexpr bool kSmallLinear = false;
+#endif
+
+bool small_linear_supported() { return kSmallLinear; }
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kSmallLinear, "small_linear: built without AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_linear: x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "small_linear: bfloat16 only");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "small_linear: unit inner strides");
+  TORCH_CHECK(x.size(1) % 32 == 0, "small_linear: K must be a multiple of 32");
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= 4, "small_linear: 1 to 4 rows");
+  const bf16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "small_linear: bias [N] bfloat16");
+    b = bias->data_ptr<bf16>();
+  }
+  auto y = at::empty({M, N}, x.options());
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = weight.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t xr = x.stride(0), wr = weight.stride(0);
+  switch (M) {
+    case 1: small_linear_typed<1>(xp, wp, b, yp, N, K, xr, wr); break;
+    case 2: small_linear_typed<2>(xp, wp, b, yp, N, K, xr, wr); break;
+    case 3: small_linear_typed<3>(xp, wp, b, yp, N, K, xr, wr); break;
+    default: small_linear_typed<4>(xp, wp, b, yp, N, K, xr, wr); break;
+  }
+#endif
+  return y;
+}
+
 int64_t parallel_team(int64_t n) {
   std::vector<std::atomic<int>> seen(std::max<int64_t>(at::get_num_threads(), 1));
   for (auto& x : seen) x = 0;
@@ -623,6 +713,8 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("small_linear_supported() -> bool", &small_linear_supported);
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) kv_cache, "
       "Tensor slots, int num_heads, int num_kv_heads, int head_dim, int rotary_dim) -> Tensor");
@@ -633,5 +725,6 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("small_linear", &small_linear);
   m.impl("rope_store_kv", &rope_store_kv);
 }

@@ -2,8 +2,10 @@
 
 `cpu_ops.cpp` holds the ops of the CPU serving path that torch composes from many
 small kernels (see its header): paged decode attention reading K/V in place through
-the block tables, RMSNorm with the residual add fused, SiLU-and-mul, and RoPE fused
-with the KV store. They are registered as `torch.ops.spur_cpu.*` (TORCH_LIBRARY, no
+the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
+with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
+AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
+weights at half the memory's rate). They are registered as `torch.ops.spur_cpu.*` (TORCH_LIBRARY, no
 pybind) and parallelised with `at::parallel_for`, i.e. on torch's own OpenMP team:
 the build passes `-fopenmp` (ATen's parallel_for is a pragma in its headers: without
 the flag it compiles to a loop on the calling thread), and the GOMP symbols bind at
@@ -225,3 +227,42 @@ def decode_attention(
     lib.decode_attention(
         q, out, k_cache, v_cache, plan.tables, plan.rows, plan.firsts, plan.lens, scale
     )
+
+
+# Rows of x up to which `small_linear` serves a bf16 linear (decode steps of 1 to 4
+# requests); torch's matmul serves larger batches, where AMX tiles pay off.
+SMALL_LINEAR_MAX_ROWS = 4
+
+
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for bf16 on CPU with at most SMALL_LINEAR_MAX_ROWS
+    rows of x, through the AVX-512 BF16 op; None where torch's matmul serves (other
+    dtypes or devices, more rows, in-features not a multiple of 32, strided inputs, a
+    CPU or build without AVX-512 BF16, or no extension).
+
+    x: [..., K] bf16; weight: [N, K] bf16; bias: [N] bf16 or None -> [..., N] bf16.
+    """
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 1 <= rows <= SMALL_LINEAR_MAX_ROWS or k % 32 or weight.stride(-1) != 1:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    lib = ops()
+    if lib is None or not _small_linear_built(lib):
+        return None
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        return None
+    return lib.small_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def _small_linear_built(lib: Any) -> bool:
+    built = _state.get("small_linear")
+    if built is None:
+        built = _state["small_linear"] = bool(lib.small_linear_supported())
+    return built

@@ -245,3 +245,51 @@ def test_rope_store_refuses_a_slot_past_the_cache():
         lib.rope_store_kv(
             qkv, torch.tensor([0, 1]), torch.zeros(16, 8), cache, torch.tensor([0, 8]), 2, 1, 8, 8
         )
+
+
+def _small_linear_lib():
+    lib = native.ops()
+    if lib is None or not lib.small_linear_supported():
+        pytest.skip("this CPU or build has no AVX-512 BF16")
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (17, 64), (100, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_linear_is_a_bf16_linear(rows, out_features, in_features, with_bias):
+    """Against float64 math rounded once to bf16 (what oneDNN's bf16 matmul computes up
+    to its float32 summation order): within one bf16 step of it, and of F.linear."""
+    _small_linear_lib()
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    got = native.small_linear(x, w, b)
+    assert got is not None and got.dtype == torch.bfloat16
+    assert got.shape == (rows, out_features)
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    step = exact.abs().clamp_min(0.05) * 2**-7  # one bf16 step (8 significant bits)
+    assert ((got.double() - exact).abs() <= step).all()
+    torch_out = torch.nn.functional.linear(x, w, b).double()
+    assert ((got.double() - torch_out).abs() <= 2 * step).all()
+
+
+def test_small_linear_keeps_leading_dims_and_leaves_other_cases_to_torch():
+    _small_linear_lib()
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    x = torch.randn(1, 2, 64).to(torch.bfloat16)
+    got = native.small_linear(x, w)
+    assert got is not None and got.shape == (1, 2, 8)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
+    assert native.small_linear(x.float(), w.float()) is None  # float32: torch's GEMV
+    many = torch.randn(native.SMALL_LINEAR_MAX_ROWS + 1, 64).to(torch.bfloat16)
+    assert native.small_linear(many, w) is None  # a batch: AMX tiles
+    assert native.small_linear(x[..., :48], w[:, :48]) is None  # K not a multiple of 32
+    assert native.small_linear(x, w.T.contiguous().T) is None  # weight not row-major
+
+
+def test_small_linear_is_off_with_the_native_ops(monkeypatch):
+    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
+    x, w = torch.randn(1, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
+    assert native.small_linear(x, w) is None

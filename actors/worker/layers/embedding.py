@@ -24,6 +24,7 @@ from torch import nn
 
 from spur.actors.worker.layers.linear import check_shape, set_weight_attrs
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
+from spur.kernels import native
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -99,7 +100,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`hidden_states [n, dim] -> logits [n, vocab_size]` float32, full vocab on every rank."""
-        logits = F.linear(hidden_states, self.weight)  # [n, vocab / T]
+        logits = native.small_linear(hidden_states, self.weight)  # bf16, 1-4 rows
+        if logits is None:
+            logits = F.linear(hidden_states, self.weight)  # [n, vocab / T]
         if self.tp.is_parallel:
             logits = self.tp.all_gather(logits, dim=-1)  # [n, vocab rounded up]
             logits = logits[:, : self.num_embeddings]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
+from spur.kernels import native
 
 WeightLoader = Callable[..., None]
 
@@ -116,7 +117,9 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [..., out/T]
+        y = native.small_linear(x, self.weight, self.bias)  # bf16 decode of 1-4 rows
+        if y is None:
+            y = F.linear(x, self.weight, self.bias)  # [..., out/T]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -310,7 +313,9 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [..., out], partial sum on this rank
+        y = native.small_linear(x, self.weight)  # bf16 decode of 1-4 rows
+        if y is None:
+            y = F.linear(x, self.weight)  # [..., out], partial sum on this rank
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         # Without the reduction the caller sums the partials: add the bias on one rank only.
