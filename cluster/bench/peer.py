@@ -502,6 +502,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
                 ttft = [lv[arm][f"ttft_ms_{q}"] for lv in p["levels"]]
                 row[1].plot(cs, ttft, style, color=colors[arm], label=f"{names[arm]} {q}")
         row[0].set(title=f"{title}: output tokens/s", xlabel="concurrency", ylabel="tokens/s")
+        row[0].set_ylim(bottom=0)  # from zero: a 2% gap must not fill the panel
         row[1].set(title=f"{title}: TTFT", xlabel="concurrency", ylabel="ms", yscale="log")
         for ax in row:
             ax.set_xscale("log", base=2)
