@@ -338,8 +338,8 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     )
     worst = GaugeMetricFamily(
         "spur:kv_request_held_over_geometry_max",
-        "The highest held/geometry of any one running request now (a leak shows here "
-        "within one request).",
+        "The highest held/geometry of any one running request since the engine's last "
+        "report (about a second): a leak shows here within one request, however short.",
         labels=group_labels,
     )
     peak = GaugeMetricFamily(

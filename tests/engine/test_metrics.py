@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from spur.actors.engine.shell.metrics import (
     EngineMetrics,
     Histogram,
@@ -119,6 +121,22 @@ def test_broken_retirement_shows_as_ratio_and_leak_counter() -> None:
     assert max(metrics.peak_ratio) >= max(ratios)  # the worst single request
     assert metrics.leak_violations == 2  # each request flagged once
     assert sched.kv.pool.num_free_blocks == 255  # everything came back
+
+
+def test_a_short_leak_reaches_the_next_report() -> None:
+    """`worst_ratio` is the worst request's ratio over every capacity sample since the
+    last snapshot: a leak that is over before the report still shows in it (the
+    latest sample alone would miss it), and the next report starts a new window."""
+    core, sched, _ = make_engine(num_blocks=256, budget=64, block_size=4)
+    break_retirement(sched.kv, 1)
+    metrics = EngineMetrics(max_model_len=256, capacity_period_s=0.0, clock=Clock())
+    _, ratios = drive(core, sched, metrics, prompts(2, 8), max_tokens=24, check=False)
+    assert max(ratios) > 2.0 and not sched.running  # over: the latest sample is idle
+    (g,) = metrics.snapshot()["capacity"]
+    assert g["worst_ratio"] == pytest.approx(max(ratios))
+    (g,) = metrics.snapshot()["capacity"]  # a new window, with no sample in it
+    assert g["worst_ratio"] == metrics.capacity[0].worst < 2.0
+    assert g["peak_ratio"] == pytest.approx(max(ratios))  # the peak stays
 
 
 def test_capacity_view_and_info() -> None:

@@ -204,6 +204,10 @@ class EngineMetrics:
         self.kv_usage = 0.0
         self.capacity: list[GroupCapacity] = []
         self.peak_ratio: list[float] = []
+        # Per group, the worst request's ratio over the capacity samples since the last
+        # snapshot: a leak that lasts less than the report interval still reaches
+        # `spur:kv_request_held_over_geometry_max` (the latest sample alone could miss it).
+        self._worst_since_snapshot: list[float] = []
         self.capacity_period_s = capacity_period_s
         self._last_capacity = -1e9
         self._requests: dict[str, _Timing] = {}
@@ -272,8 +276,12 @@ class EngineMetrics:
             self.capacity = capacity_view(scheduler.kv, scheduler.running)
             if len(self.peak_ratio) != len(self.capacity):
                 self.peak_ratio = [0.0] * len(self.capacity)
+            worst = self._worst_since_snapshot
+            if len(worst) != len(self.capacity):
+                worst = self._worst_since_snapshot = [0.0] * len(self.capacity)
             for g in self.capacity:
                 self.peak_ratio[g.group_id] = max(self.peak_ratio[g.group_id], g.worst)
+                worst[g.group_id] = max(worst[g.group_id], g.worst)
 
     def finish(self, req_id: str, reason: str) -> None:
         """A request finished outside the core's outputs (a stop string matched by
@@ -302,7 +310,13 @@ class EngineMetrics:
 
     # -- any thread -------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Everything, JSON-safe: counters (cumulative), gauges, histograms, info."""
+        """Everything, JSON-safe: counters (cumulative), gauges, histograms, info.
+
+        Capacity's `worst_ratio` is the worst request's held/geometry over the samples
+        since the previous snapshot (and the latest one), so each call starts a new
+        window: the engine's heartbeat is the one caller. A sample taken while a
+        snapshot is read may count in the next window instead."""
+        window, self._worst_since_snapshot = self._worst_since_snapshot, []
         return {
             "counters": {
                 "vllm:prompt_tokens": self.prompt_tokens,
@@ -328,7 +342,9 @@ class EngineMetrics:
                     "held": g.held,
                     "geometry": g.geometry,
                     "ratio": g.ratio,
-                    "worst_ratio": g.worst,
+                    "worst_ratio": max(
+                        g.worst, window[g.group_id] if g.group_id < len(window) else 0.0
+                    ),
                     "peak_ratio": self.peak_ratio[g.group_id] if self.peak_ratio else g.worst,
                 }
                 for g in self.capacity
