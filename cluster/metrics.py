@@ -338,8 +338,9 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     )
     worst = GaugeMetricFamily(
         "spur:kv_request_held_over_geometry_max",
-        "The highest held/geometry of any one running request since the engine's last "
-        "report (about a second): a leak shows here within one request, however short.",
+        "The highest held/geometry of any one running request over the engine's capacity "
+        "samples (every 0.25 s) since its last report (about a second); "
+        "spur:kv_held_over_geometry_peak keeps the worst since start.",
         labels=group_labels,
     )
     peak = GaugeMetricFamily(

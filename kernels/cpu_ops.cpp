@@ -328,9 +328,9 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
       using D64 = std::integral_constant<int, 64>;
       using D128 = std::integral_constant<int, 128>;
       using Any = std::integral_constant<int, 0>;
-      // Head geometry as constants where models have it (SmolLM2: D 64, G 3; Llama 3
-      // and Qwen: D 128, G 4 to 8): the head loops unroll and the q rows stay in
-      // registers.
+      // Without AVX-512 (the path above takes D 64 / 128 first): head geometry as
+      // constants where models have it (SmolLM2: D 64, G 3; Llama 3 and Qwen: D 128,
+      // G 4 to 8), so the head loops unroll and the q rows stay in registers.
 #ifdef SPUR_AVX512
       if (D == 64 || D == 128) {
         if (D == 64)
@@ -611,8 +611,9 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
 // weights at about 14 GB/s for one row of x, half the rate of its float32 GEMV, so a
 // bf16 model decoded one request at a time was no faster than float32. Here each
 // weight row is read once for all M rows of x with AVX-512 BF16 dot products (exact
-// bf16 products, float32 sums: the order differs from oneDNN's, the rounding to bf16
-// happens once at the end as there). R = 16 / M weight rows per unit, so that the
+// bf16 products, float32 sums; vdpbf16ps flushes denormal inputs and results to zero:
+// the order differs from oneDNN's, the rounding to bf16 happens once at the end as
+// there). M's bound, 4, is native.SMALL_LINEAR_MAX_ROWS: change both together. R = 16 / M weight rows per unit, so that the
 // M x R dot products' lane vectors go through one sum16x16.
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
 constexpr bool kSmallLinear = true;

@@ -5,8 +5,9 @@ small kernels (see its header): paged decode attention reading K/V in place thro
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
 AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
-weights at half the memory's rate). They are registered as `torch.ops.spur_cpu.*` (TORCH_LIBRARY, no
-pybind) and parallelised with `at::parallel_for`, i.e. on torch's own OpenMP team:
+weights at half the memory's rate). They are registered as `torch.ops.spur_cpu.*`
+(TORCH_LIBRARY, no pybind) and parallelised with `at::parallel_for`, i.e. on torch's
+own OpenMP team:
 the build passes `-fopenmp` (ATen's parallel_for is a pragma in its headers: without
 the flag it compiles to a loop on the calling thread), and the GOMP symbols bind at
 load time to the libgomp torch has already loaded.
@@ -230,7 +231,8 @@ def decode_attention(
 
 
 # Rows of x up to which `small_linear` serves a bf16 linear (decode steps of 1 to 4
-# requests); torch's matmul serves larger batches, where AMX tiles pay off.
+# requests); torch's matmul serves larger batches, where AMX tiles pay off. The op
+# refuses more than 4 (cpu_ops.cpp): raise both together.
 SMALL_LINEAR_MAX_ROWS = 4
 
 

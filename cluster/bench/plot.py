@@ -160,12 +160,15 @@ def spec_levels(result: dict[str, Any]) -> dict[str, list[tuple[int, dict[str, A
         kind = result.get("bench") if isinstance(result, dict) else type(result).__name__
         raise ValueError(f"not a `spur bench spec` result (bench is {kind!r}): rerun with --json")
     try:
-        return {
+        levels = {
             workload: sorted((int(c), lv) for c, lv in entry["levels"].items())
             for workload, entry in result["results"].items()
         }
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"a `bench spec` result without its levels ({e!r})") from None
+    if not levels or not all(levels.values()):
+        raise ValueError("a `bench spec` result without its levels (no workload ran)")
+    return levels
 
 
 def spec_arm(level: dict[str, Any], arm: str, key: str) -> float | None:
@@ -226,7 +229,7 @@ def spec_itl(result: dict[str, Any], path: str | Path) -> Path:
             accepted = spec_arm(lv, "on", "accepted_tokens")
             note = f"on/off {ratio:.2f}x tokens/s" if ratio else "on/off n/a"
             if drafts:
-                note += f"\n{accepted:.0f} of {drafts:.0f} drafts kept"
+                note += f"\n{accepted or 0:.0f} of {drafts:.0f} drafts kept"
             else:
                 note += "\nno drafts"
             if limit and c >= limit:

@@ -168,6 +168,9 @@ def test_spec_plot_refuses_another_bench(tmp_path: Path):
         plot.spec_itl(_result({"elapsed_s": 1.0}, 1.0, None), out)
     with pytest.raises(ValueError, match="without its levels"):
         plot.spec_itl({"bench": "spec", "results": {"chat": {}}}, out)
+    for empty in ({}, {"chat": {"levels": {}}}):  # no workload, or one without levels
+        with pytest.raises(ValueError, match="no workload ran"):
+            plot.spec_itl({"bench": "spec", "results": empty}, out)
     assert not out.exists()
 
 

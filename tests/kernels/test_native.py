@@ -68,17 +68,29 @@ def test_decodes_match_dense_on_both_paths(reqs, sliding_window, path, dtype, at
         (8, 4, 4),
     ],
 )
-def test_every_compiled_head_dim(head_dim, group, block_size):
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_every_compiled_head_dim(head_dim, group, block_size, dtype, atol, sliding_window):
     """head_dim 64 and 128 run the AVX-512 path where the CPU has it (block_size 32:
-    a block is two runs of 16 rows), else specialized copies of the loop for 3 / 4
-    (64) and 4 / 8 (128) query heads per KV head; other head sizes the generic loop."""
+    a block is two runs of 16 rows; bf16 rows widened into its scratch; a sliding
+    window starts mid-block), else specialized copies of the loop for 3 / 4 (64) and
+    4 / 8 (128) query heads per KV head; other head sizes the generic loop."""
     case = make_case(
-        MANY_DECODES, num_kv_heads=3, group=group, head_dim=head_dim, block_size=block_size
+        MANY_DECODES,
+        num_kv_heads=3,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        cache_dtype=dtype,
     )
     assert native.decode_kernel(case.query, case.kv_cache) is not None
-    out = paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+    out = paged_attention_ref(
+        case.query, case.kv_cache, case.metadata, scale=case.scale, sliding_window=sliding_window
+    )
     n = case.metadata.num_actual_tokens
-    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=1e-5, rtol=1e-5)
+    expected = dense_attention(case, sliding_window)
+    torch.testing.assert_close(out[:n].double(), expected, atol=atol, rtol=atol)
 
 
 def test_bf16_query_on_fp32_cache_writes_its_own_dtype():

@@ -257,6 +257,8 @@ class EngineReplica:
                     await self.index.resync.remote(self.replica_id, seq, hashes)
                 warned = False
             except Exception as exc:  # the index restarts: the next publish resyncs
+                if snapshot is not None and engine.metrics is not None:
+                    engine.metrics.restore_window(snapshot)  # its worst ratios: next report
                 if not warned:
                     logger.warning("KV index unreachable (%s); retrying", exc)
                     warned = True

@@ -29,6 +29,7 @@ above 1 within one request, long before the pool runs dry.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -309,6 +310,14 @@ class EngineMetrics:
             )
 
     # -- any thread -------------------------------------------------------------------
+    def restore_window(self, snapshot: dict[str, Any]) -> None:
+        """Put a snapshot's per-group worst ratios back into the current window: the
+        report that carried them did not arrive, so the next one must."""
+        worst = [g["worst_ratio"] for g in snapshot.get("capacity", ())]
+        current = self._worst_since_snapshot
+        merged = [max(a, b) for a, b in itertools.zip_longest(current, worst, fillvalue=0.0)]
+        self._worst_since_snapshot = merged
+
     def snapshot(self) -> dict[str, Any]:
         """Everything, JSON-safe: counters (cumulative), gauges, histograms, info.
 
