@@ -108,6 +108,22 @@ inline void for_each_row(const KV* base, int64_t s_blk, int64_t s_off, const int
   }
 }
 
+// Softmax of each of the G score rows [G, width] in place (float32).
+inline void softmax_rows(float* __restrict scores, int32_t G, int32_t width) {
+  for (int32_t g = 0; g < G; ++g) {
+    float* __restrict sg = scores + (int64_t)g * width;
+    float m = -FLT_MAX;  // -ffast-math: no infinities
+    for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
+    float total = 0.0f;
+    for (int32_t t = 0; t < width; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      total += sg[t];
+    }
+    const float inv = 1.0f / total;
+    for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
+  }
+}
+
 template <typename KV, typename QO, int DC, int GC>
 void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
             const KV* __restrict v, int64_t s_blk, int64_t s_off, const int32_t* table,
@@ -125,18 +141,7 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
       scores[(int64_t)g * width + t] = s;
     }
   });
-  for (int32_t g = 0; g < G; ++g) {
-    float* __restrict sg = scores + (int64_t)g * width;
-    float m = -FLT_MAX;  // -ffast-math: no infinities
-    for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
-    float total = 0.0f;
-    for (int32_t t = 0; t < width; ++t) {
-      sg[t] = std::exp(sg[t] - m);
-      total += sg[t];
-    }
-    const float inv = 1.0f / total;
-    for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
-  }
+  softmax_rows(scores, G, width);
   for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
   for_each_row(v, s_blk, s_off, table, first, width, bs, D,
                [&](const KV* __restrict vr, int32_t t) {
@@ -242,18 +247,7 @@ void attend512(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
                             sum16x16(a));
     }
   });
-  for (int32_t g = 0; g < G; ++g) {
-    float* __restrict sg = scores + (int64_t)g * width;
-    float m = -FLT_MAX;  // -ffast-math: no infinities
-    for (int32_t t = 0; t < width; ++t) m = sg[t] > m ? sg[t] : m;
-    float total = 0.0f;
-    for (int32_t t = 0; t < width; ++t) {
-      sg[t] = std::exp(sg[t] - m);
-      total += sg[t];
-    }
-    const float inv = 1.0f / total;
-    for (int32_t t = 0; t < width; ++t) sg[t] *= inv;
-  }
+  softmax_rows(scores, G, width);
   for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
   for_each_run(v, s_blk, s_off, table, first, width, bs, D, scratch,
                [&](const float* __restrict r0, int64_t stride, int32_t n, int32_t t) {

@@ -484,7 +484,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     """Draw tokens/s and TTFT p50/p99 against concurrency, spur and llama.cpp side
     by side, one row per dtype pairing, into a PNG at `path` (needs matplotlib:
     the `bench` extra). Returns the path."""
-    from spur.cluster.bench.plot import pyplot
+    from spur.cluster.bench.plot import pyplot, save
 
     plt = pyplot()
 
@@ -517,8 +517,4 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         fontsize=9,
     )
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(plt, fig, path)

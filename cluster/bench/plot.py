@@ -31,6 +31,15 @@ def pyplot() -> Any:
     return plt
 
 
+def save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Write `fig` as PNG at `path` (its folder made), close it; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def draw(result: dict[str, Any], path: str | Path) -> Path:
     """Write the PNG for a `bench serve` result; returns its path."""
     if result.get("peer"):
@@ -57,11 +66,7 @@ def draw(result: dict[str, Any], path: str | Path) -> Path:
     title = f"spur bench serve: {result.get('model', '')}, {result.get('url', '')}"
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(plt, fig, path)
 
 
 # Segments of a spur run's bar, bottom to top: (profile key, legend).
@@ -142,11 +147,7 @@ def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> 
     model = runs[-1][1].get("model", "")
     fig.suptitle(f"spur bench engine: {model}, where spur's time went", fontsize=9)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(plt, fig, path)
 
 
 # (arm, label, color) of `spec_itl`'s bars; p99 is the same color, hatched and lighter.
@@ -265,8 +266,4 @@ def spec_itl(result: dict[str, Any], path: str | Path) -> Path:
     )
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(plt, fig, path)
