@@ -8,7 +8,7 @@ by the module that needs them (module-scoped: CI pays one start-up).
                                 2 requests at a time (the rest wait), no spare
                  spare  spare   the tiny model, serves chat
     prom         Prometheus (Debian's `prometheus`; .ci/run installs it) scraping
-                 /metrics every second, with spur's alert rules loaded
+                 /metrics every 0.25 s, with spur's alert rules loaded
 
 The server helpers (tiny model, environment, start, clean stop) are the e2e
 suite's own.
@@ -78,7 +78,7 @@ def obs_config(model_dir: Path, port: int, *, metrics: bool = True) -> dict[str,
             },
         ],
         "spare": {"name": "spare", "serves_lanes": ["chat"], "engine": _engine(model_dir)},
-        "router": {"stats_period_s": 1.0, "failover_healthy_after_s": 1.0, "max_attempts": 1},
+        "router": {"stats_period_s": 0.25, "failover_healthy_after_s": 1.0, "max_attempts": 1},
         "server": {
             "host": "127.0.0.1",
             "port": port,
@@ -186,10 +186,10 @@ class Prometheus:
 
     def held_between(self, expr: str, start: float, end: float) -> bool:
         """True when `expr` returned a series at some evaluation between the unix
-        times `start` and `end` (a range query, a step per half second)."""
+        times `start` and `end` (a range query, a step per scrape: 0.25 s)."""
         try:
             out = self.api(
-                "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="0.5"
+                "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="0.25"
             )
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{expr}: {exc.read().decode()[:500]}") from None
@@ -231,7 +231,9 @@ def prom(obs_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     export(work / "rules")
     target = urllib.parse.urlparse(obs_server.url).netloc
     config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        # 0.25 s, as the engines' reports (router.stats_period_s above): the leak test's
+        # pool-full moments last a few steps of the tiny model
+        "global": {"scrape_interval": "250ms", "evaluation_interval": "1s"},
         "rule_files": [str(work / "rules" / "alerts.yaml")],
         "scrape_configs": [
             {

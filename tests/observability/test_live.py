@@ -1,4 +1,4 @@
-"""A real Prometheus scrapes a live `spur serve` every second while the official
+"""A real Prometheus scrapes a live `spur serve` every 0.25 s while the official
 `openai` client sends a known workload. The tests run in order (one server, one
 Prometheus): counts, a preemption storm, the leaky lane, failover, a restart
 loop, then every dashboard panel and alert expression, then `spur top`.
@@ -200,7 +200,7 @@ def _while_running(
     start = time.time()
     result = work()
     end = time.time() + 2.0
-    # The interval's last engine push (every second) reaches a scrape after `end`.
+    # The interval's last engine push (every 0.25 s) reaches a scrape after `end`.
     prom.wait(
         "a scrape after the interval",
         lambda: (prom.value("max(timestamp(spur:config_info))") or 0) > end,
@@ -231,20 +231,24 @@ def test_the_leak_shows(obs_server: Server, prom: Prometheus) -> None:
     Sizes: 44-token prompts and 200 tokens out (3 to 16 blocks of 16), 2 running
     at a time in 48 blocks: both requests stay at 2n + 1 blocks (over 2x) until n
     reaches 11 (about 140 steps, several of the engine's 0.25 s capacity samples
-    even on a fast machine); from there the pool is full while 4 requests wait."""
+    even on a fast machine); from there the pool is full while the rest wait, until
+    a preemption frees one request's blocks: a few steps per pair of requests. So
+    12 requests (6 such moments), and the engines report and Prometheus scrapes every
+    0.25 s here (conftest): with 6 requests and 1 s scrapes the tiny model ran
+    through them between two scrapes once the engine got faster."""
     leaky = '{lane="leaky"}'
     statuses, seen = _while_running(
         prom,
-        lambda: _burst(obs_server, "leaky", 6, 200),
+        lambda: _burst(obs_server, "leaky", 12, 200),
         ("SpurHeldOverGeometry", "SpurKVFullWhileWaiting"),
     )
-    assert statuses == [200] * 6
+    assert statuses == [200] * 12
     prom.wait(
         "the leak counter rose",
         lambda: (prom.value(f"sum(spur:kv_leak_violations_total{leaky})") or 0) >= 1,
     )
     assert (prom.value(f"max(spur:kv_held_over_geometry_peak{leaky})") or 0) > 2.0
-    worst = f"max_over_time(max(spur:kv_request_held_over_geometry_max{leaky})[5m:1s])"
+    worst = f"max_over_time(max(spur:kv_request_held_over_geometry_max{leaky})[5m:250ms])"
     assert (prom.value(worst) or 0) > 2.0
     assert seen["SpurHeldOverGeometry"], "held/geometry > 1.2 never seen while it ran"
     assert seen["SpurKVFullWhileWaiting"], "KV usage > 0.95 with requests waiting never seen"
