@@ -92,20 +92,37 @@ inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D
   }
 }
 
-// Calls row(pointer to the row, t) for positions first + t, t in [0, width), of one
-// head's K or V cache through the block table. Block by block: a block's rows are
-// s_off apart, so no division per position; the next block is prefetched first.
-template <typename KV, typename Row>
-inline void for_each_row(const KV* base, int64_t s_blk, int64_t s_off, const int32_t* table,
-                         int32_t first, int32_t width, int32_t bs, int32_t D, Row&& row) {
+// Calls run(first row, n, t) for the runs of n <= max_run consecutive rows of one
+// block that cover positions first + t, t in [0, width), of one head's K or V cache
+// through the block table. Block by block: a block's rows are s_off apart, so no
+// division per position; the next block is prefetched before this one is used.
+template <typename KV, typename Run>
+inline void for_each_block_run(const KV* base, int64_t s_blk, int64_t s_off,
+                               const int32_t* table, int32_t first, int32_t width, int32_t bs,
+                               int32_t D, int32_t max_run, Run&& run) {
   const int32_t end = first + width;
   for (int32_t b = first / bs, t = 0; t < width; ++b) {
     const KV* blk = base + (int64_t)table[b] * s_blk;
     if (t + bs < width) prefetch_rows(base + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
-    const int32_t lo = (b == first / bs) ? first % bs : 0;
+    int32_t lo = (b == first / bs) ? first % bs : 0;
     const int32_t hi = std::min<int32_t>(bs, end - b * bs);
-    for (int32_t j = lo; j < hi; ++j, ++t) row(blk + (int64_t)j * s_off, t);
+    while (lo < hi) {
+      const int32_t n = std::min<int32_t>(max_run, hi - lo);
+      run(blk + (int64_t)lo * s_off, n, t);
+      lo += n;
+      t += n;
+    }
   }
+}
+
+// Calls row(pointer to the row, t) for each position first + t, t in [0, width).
+template <typename KV, typename Row>
+inline void for_each_row(const KV* base, int64_t s_blk, int64_t s_off, const int32_t* table,
+                         int32_t first, int32_t width, int32_t bs, int32_t D, Row&& row) {
+  for_each_block_run(base, s_blk, s_off, table, first, width, bs, D, bs,
+                     [&](const KV* r0, int32_t n, int32_t t) {
+                       for (int32_t j = 0; j < n; ++j) row(r0 + (int64_t)j * s_off, t + j);
+                     });
 }
 
 // Softmax of each of the G score rows [G, width] in place (float32).
@@ -187,36 +204,26 @@ inline __m512 sum16x16(const __m512* a) {
 
 // Calls run(rows, stride, n, t) for runs of n <= 16 consecutive rows of one block
 // (positions first + t .. first + t + n - 1), rows as float: in place for a float
-// cache, widened into `scratch` ([16, D]) for bf16. Prefetches the next block.
+// cache, widened into `scratch` ([16, D]) for bf16.
 template <typename KV, typename Run>
 inline void for_each_run(const KV* base, int64_t s_blk, int64_t s_off, const int32_t* table,
                          int32_t first, int32_t width, int32_t bs, int32_t D,
                          float* __restrict scratch, Run&& run) {
-  const int32_t end = first + width;
-  for (int32_t b = first / bs, t = 0; t < width; ++b) {
-    const KV* blk = base + (int64_t)table[b] * s_blk;
-    if (t + bs < width) prefetch_rows(base + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
-    int32_t lo = (b == first / bs) ? first % bs : 0;
-    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
-    while (lo < hi) {
-      const int32_t n = std::min<int32_t>(16, hi - lo);
-      const KV* r0 = blk + (int64_t)lo * s_off;
-      if constexpr (std::is_same_v<KV, float>) {
-        run(r0, s_off, n, t);
-      } else {
-        for (int32_t j = 0; j < n; ++j)
-          for (int32_t d = 0; d < D; d += 16) {
-            const __m256i h = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(r0 + (int64_t)j * s_off + d));
-            _mm512_storeu_ps(scratch + (int64_t)j * D + d,
-                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-          }
-        run(static_cast<const float*>(scratch), (int64_t)D, n, t);
-      }
-      lo += n;
-      t += n;
+  for_each_block_run(base, s_blk, s_off, table, first, width, bs, D, 16,
+                     [&](const KV* r0, int32_t n, int32_t t) {
+    if constexpr (std::is_same_v<KV, float>) {
+      run(r0, s_off, n, t);
+    } else {
+      for (int32_t j = 0; j < n; ++j)
+        for (int32_t d = 0; d < D; d += 16) {
+          const __m256i h =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + (int64_t)j * s_off + d));
+          _mm512_storeu_ps(scratch + (int64_t)j * D + d,
+                           _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+      run(static_cast<const float*>(scratch), (int64_t)D, n, t);
     }
-  }
+  });
 }
 
 template <typename KV, typename QO, int D>
