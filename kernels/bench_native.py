@@ -3,10 +3,12 @@
 `python -m spur.kernels.bench_native`: one attention layer of SmolLM2's geometry
 (9 heads, 3 KV heads, head_dim 64, blocks of 16), 32 decodes with seeded contexts of
 300 to 700 tokens, attended through the SDPA path, the native kernel on one thread
-and on torch's two; then RMSNorm + residual add and SiLU-and-mul at 64 rows (hidden
-576, intermediate 1536), native vs torch. Medians of interleaved rounds in one
-process (timings on a shared machine are only comparable within a run). Prints one
-line per measurement; BENCHMARKS.md (seventh round) quotes it.
+and on torch's two, and the kernel's narrower paths on two (`lanes-8`: AVX2 on an
+AVX-512 build; `lanes-1`: the plain loop); then RMSNorm + residual add and
+SiLU-and-mul at 64 rows (hidden 576, intermediate 1536), native vs torch. Medians
+of interleaved rounds in one process (timings on a shared machine are only
+comparable within a run). Prints one line per measurement; BENCHMARKS.md (seventh
+round) quotes it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,20 @@ def main(rounds: int = 15) -> None:
     lens = [int(x) for x in torch.randint(300, 700, (32,), generator=gen)]
     tables, num_blocks = random_block_tables(lens, bs, 1, gen)
     meta = build_attention_metadata([n - 1 for n in lens], [1] * len(lens), tables, bs)
-    modes = ("sdpa", "native-1t", "native-2t")
+    lib0 = native.ops()
+    lanes = native.decode_lanes(lib0) if lib0 is not None else []
+    # native-*: the widest path, as served; lanes-<n>: the path of n lanes (1: the plain
+    # loop every CPU runs) on two threads, for the SIMD path's own A/B.
+    modes = ("sdpa", "native-1t", "native-2t", *(f"lanes-{n}" for n in lanes[1:]))
+    plan = native.plan_decodes(
+        meta.block_tables,
+        list(range(len(lens))),
+        list(range(len(lens))),
+        [0] * len(lens),
+        lens,
+        num_blocks=num_blocks,
+        block_size=bs,
+    )
     for dtype in (torch.float32, torch.bfloat16):
         cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
         q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
@@ -38,6 +53,12 @@ def main(rounds: int = 15) -> None:
             os.environ["SPUR_NATIVE_KERNELS"] = "0" if mode == "sdpa" else "1"
             torch.set_num_threads(1 if mode == "native-1t" else 2)
             meta.memo.clear()
+            if mode.startswith("lanes-"):
+                out = torch.empty_like(q)
+                k, v = cache.unbind(0)
+                t = time.perf_counter()
+                native.decode_attention(lib0, q, out, k, v, plan, dim**-0.5, int(mode[6:]))
+                return time.perf_counter() - t
             t = time.perf_counter()
             paged_attention_ref(q, cache, meta, scale=dim**-0.5)
             return time.perf_counter() - t

@@ -16,11 +16,12 @@
 // says how many threads a parallel_for over n items ran on (tested).
 //
 // Ops (dtypes: float32 or bfloat16 activations; caches float32 or bfloat16):
-//   decode_attention(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale)
+//   decode_attention(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale, lanes=0)
 //       q, out [T, Hq, D] (stride(-1) == 1, stride(1) == D); k/v_cache [blocks,
 //       block_size, Hkv, D] views; tables [N, W] int32; rows, firsts, lens [N]
 //       int32. Decode i: query row rows[i] attends to positions [firsts[i], lens[i])
-//       of its context through table row i; writes out[rows[i]] only.
+//       of its context through table row i; writes out[rows[i]] only. lanes: the
+//       path, one of decode_lanes() (0: the widest; tests and benches pick others).
 //   fused_add_rms_norm(x, residual, weight, eps) -> (norm(x + residual), x + residual)
 //   rms_norm(x, weight, eps) -> norm(x)
 //   silu_and_mul(x [n, 2d]) -> silu(x[:, :d]) * x[:, d:]            [n, d]
@@ -50,9 +51,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define SPUR_SIMD 1
+#endif
+#if defined(__AVX512F__)
 #define SPUR_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define SPUR_AVX2 1
 #endif
 
 namespace {
@@ -171,114 +178,181 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
   for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
 }
 
-#ifdef SPUR_AVX512
-// The AVX-512 path for head_dim 64 and 128. The loop above spends most of its time
-// in a horizontal sum per position and query head (the dot product's 16 lanes to one
-// score) and in reloading and storing its float accumulators per row: here a run of
-// up to 16 rows of a block is one unit. K: each row's dot product stays a vector of 16
-// lane sums, and sum16x16 turns the 16 rows' vectors into their 16 scores with 15
-// shuffle-adds (not 16 separate reductions); V: the accumulators of one query head
-// stay in registers over the run. bf16 rows are widened to float once per run into an
-// L1 scratch (not once per query head). Same math, float32 throughout; only the
+#ifdef SPUR_SIMD
+// The SIMD path for head_dim 64 and 128, on AVX-512 (16 float lanes) or AVX2 + FMA
+// (8 lanes). The loop above spends most of its time in a horizontal sum per position
+// and query head (the dot product's lanes to one score) and in reloading and storing
+// its float accumulators per row: here a run of up to W rows of a block (W = the
+// vector's lanes) is one unit. K: each row's dot product stays a vector of W lane
+// sums, and V::sums turns the run's W vectors into their W scores with one
+// transpose-and-add (not W separate reductions); V: the accumulators of one query
+// head stay in registers over the run. bf16 rows are widened to float once per run
+// into an L1 scratch (not once per query head). Both passes walk D in chunks of 8
+// vectors, so the q chunk and the W row sums (K), or the accumulators (V), fit the
+// register file (AVX2: 16 ymm registers). Same math, float32 throughout; only the
 // order of the additions differs from the loop above.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#ifdef SPUR_AVX512
+struct Vec512 {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store_first(float* p, T v, int32_t n) {
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), v);
+  }
+  // W bf16 values at src widened to float at dst (bf16 is float's upper half).
+  static void widen(const bf16* src, float* dst) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+  // r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels.
+  static T sums(const T* a) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)  // c[i]: 128-bit lanes 0-1 hold a[2i]'s partials, 2-3 a[2i+1]'s
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // d[i]: lane k holds 4 partials of a[4i + k]
+      d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // e[i]: lane k holds 2 of a[8i + k], 2 of a[8i + 4 + k]
+      e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+    // f[4k + m] = sum(a[4m + k]); put them in order
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                                   _mm512_shuffle_ps(e[0], e[1], 0xDD));
+    const __m512i order =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, f);
+  }
+};
+#endif
 
-// r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels.
-inline __m512 sum16x16(const __m512* a) {
-  __m512 c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i)  // c[i]: 128-bit lanes 0-1 hold a[2i]'s partials, 2-3 a[2i+1]'s
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // d[i]: lane k holds 4 partials of a[4i + k]
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // e[i]: lane k holds 2 of a[8i + k], 2 of a[8i + 4 + k]
-    e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
-  // f[4k + m] = sum(a[4m + k]); put them in order
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
-                                 _mm512_shuffle_ps(e[0], e[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, f);
-}
+#ifdef SPUR_AVX2
+struct Vec256 {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_first(float* p, T v, int32_t n) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    for (int32_t j = 0; j < n; ++j) p[j] = tmp[j];
+  }
+  static void widen(const bf16* src, float* dst) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  // r[j] = the sum of a[j]'s 8 lanes, j < 8: two levels of pairwise adds within
+  // 128-bit halves, then the halves added.
+  static T sums(const T* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    // u0 = [a0 a1 a2 a3 (lanes 0-3) | a0 a1 a2 a3 (lanes 4-7)], u1 the same for a4-a7
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+};
+#endif
 
-// Calls run(rows, stride, n, t) for runs of n <= 16 consecutive rows of one block
-// (positions first + t .. first + t + n - 1), rows as float: in place for a float
-// cache, widened into `scratch` ([16, D]) for bf16.
-template <typename KV, typename Run>
-inline void for_each_run(const KV* base, int64_t s_blk, int64_t s_off, const int32_t* table,
-                         int32_t first, int32_t width, int32_t bs, int32_t D,
-                         float* __restrict scratch, Run&& run) {
-  for_each_block_run(base, s_blk, s_off, table, first, width, bs, D, 16,
+// Calls run(rows, stride, h, n, t) for runs of n <= V::W consecutive rows of one
+// block (positions first + t .. first + t + n - 1) and, within each run, for each of
+// the H KV heads h: its rows as float, in place for a float cache, widened into
+// `scratch` ([V::W, D]) for bf16. A run's heads are one contiguous span of each row
+// (the cache is [blocks, block_size, heads, D]): a block is read once, front to back,
+// with the next block prefetched whole.
+template <class V, typename KV, typename Run>
+inline void for_each_run(const KV* base, int64_t s_blk, int64_t s_off, int64_t s_head,
+                         int32_t H, const int32_t* table, int32_t first, int32_t width,
+                         int32_t bs, int32_t D, float* __restrict scratch, Run&& run) {
+  const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
+  for_each_block_run(base, s_blk, s_off, table, first, width, bs, span, V::W,
                      [&](const KV* r0, int32_t n, int32_t t) {
-    if constexpr (std::is_same_v<KV, float>) {
-      run(r0, s_off, n, t);
-    } else {
-      for (int32_t j = 0; j < n; ++j)
-        for (int32_t d = 0; d < D; d += 16) {
-          const __m256i h =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + (int64_t)j * s_off + d));
-          _mm512_storeu_ps(scratch + (int64_t)j * D + d,
-                           _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-      run(static_cast<const float*>(scratch), (int64_t)D, n, t);
+    for (int32_t h = 0; h < H; ++h) {
+      const KV* rh = r0 + (int64_t)h * s_head;
+      if constexpr (std::is_same_v<KV, float>) {
+        run(rh, s_off, h, n, t);
+      } else {
+        for (int32_t j = 0; j < n; ++j)
+          for (int32_t d = 0; d < D; d += V::W)
+            V::widen(rh + (int64_t)j * s_off + d, scratch + (int64_t)j * D + d);
+        run(static_cast<const float*>(scratch), (int64_t)D, h, n, t);
+      }
     }
   });
 }
 
-template <typename KV, typename QO, int D>
-void attend512(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
-               const KV* __restrict v, int64_t s_blk, int64_t s_off, const int32_t* table,
-               int32_t first, int32_t width, int32_t bs, int32_t G, float scale,
-               float* __restrict qf, float* __restrict scores, float* __restrict acc,
-               float* __restrict scratch) {
-  constexpr int C = D / 16;
-  for (int64_t x = 0; x < (int64_t)G * D; ++x) qf[x] = to_f(q[x]) * scale;
-  for_each_run(k, s_blk, s_off, table, first, width, bs, D, scratch,
-               [&](const float* __restrict r0, int64_t stride, int32_t n, int32_t t) {
-    for (int32_t g = 0; g < G; ++g) {
-      __m512 qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = load16(qf + (int64_t)g * D + 16 * c);
-      __m512 a[16];
-      for (int32_t j = 0; j < 16; ++j) {
-        if (j < n) {
-          const float* r = r0 + (int64_t)j * stride;
-          __m512 s = _mm512_mul_ps(qv[0], load16(r));
-          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], load16(r + 16 * c), s);
-          a[j] = s;
-        } else {
-          a[j] = _mm512_setzero_ps();
+// One decode, all H KV heads (query heads h * G .. h * G + G - 1 read KV head h): q
+// and o [H * G, D]; k and v point at head 0's cache, heads s_head apart.
+template <class V, typename KV, typename QO, int D>
+void attend_simd(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
+                 const KV* __restrict v, int64_t s_blk, int64_t s_off, int64_t s_head,
+                 const int32_t* table, int32_t first, int32_t width, int32_t bs, int32_t H,
+                 int32_t G, float scale, float* __restrict qf, float* __restrict scores,
+                 float* __restrict acc, float* __restrict scratch) {
+  using T = typename V::T;
+  constexpr int W = V::W, C = D / W, K = C < 8 ? C : 8;  // K: vectors per chunk
+  const int32_t Hq = H * G;
+  for (int64_t x = 0; x < (int64_t)Hq * D; ++x) qf[x] = to_f(q[x]) * scale;
+  for_each_run<V>(k, s_blk, s_off, s_head, H, table, first, width, bs, D, scratch,
+                  [&](const float* __restrict r0, int64_t stride, int32_t h, int32_t n,
+                      int32_t t) {
+    for (int32_t g = h * G; g < h * G + G; ++g) {
+      T a[W];
+      for (int c0 = 0; c0 < C; c0 += K) {
+        T qv[K];
+        for (int c = 0; c < K; ++c) qv[c] = V::load(qf + (int64_t)g * D + W * (c0 + c));
+        for (int32_t j = 0; j < W; ++j) {
+          if (j < n) {
+            const float* r = r0 + (int64_t)j * stride + W * c0;
+            T s = c0 == 0 ? V::mul(qv[0], V::load(r)) : V::fmadd(qv[0], V::load(r), a[j]);
+            for (int c = 1; c < K; ++c) s = V::fmadd(qv[c], V::load(r + W * c), s);
+            a[j] = s;
+          } else {
+            a[j] = V::zero();
+          }
         }
       }
-      _mm512_mask_storeu_ps(scores + (int64_t)g * width + t, (__mmask16)((1u << n) - 1u),
-                            sum16x16(a));
+      V::store_first(scores + (int64_t)g * width + t, V::sums(a), n);
     }
   });
-  softmax_rows(scores, G, width);
-  for (int64_t x = 0; x < (int64_t)G * D; ++x) acc[x] = 0.0f;
-  for_each_run(v, s_blk, s_off, table, first, width, bs, D, scratch,
-               [&](const float* __restrict r0, int64_t stride, int32_t n, int32_t t) {
-    for (int32_t g = 0; g < G; ++g) {
-      __m512 av[C];
-      float* ag = acc + (int64_t)g * D;
-      for (int c = 0; c < C; ++c) av[c] = load16(ag + 16 * c);
+  softmax_rows(scores, Hq, width);
+  for (int64_t x = 0; x < (int64_t)Hq * D; ++x) acc[x] = 0.0f;
+  for_each_run<V>(v, s_blk, s_off, s_head, H, table, first, width, bs, D, scratch,
+                  [&](const float* __restrict r0, int64_t stride, int32_t h, int32_t n,
+                      int32_t t) {
+    for (int32_t g = h * G; g < h * G + G; ++g) {
       const float* w = scores + (int64_t)g * width + t;
-      for (int32_t j = 0; j < n; ++j) {
-        const __m512 wj = _mm512_set1_ps(w[j]);
-        const float* r = r0 + (int64_t)j * stride;
-        for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wj, load16(r + 16 * c), av[c]);
+      for (int c0 = 0; c0 < C; c0 += K) {
+        float* ag = acc + (int64_t)g * D + W * c0;
+        T av[K];
+        for (int c = 0; c < K; ++c) av[c] = V::load(ag + W * c);
+        for (int32_t j = 0; j < n; ++j) {
+          const T wj = V::set1(w[j]);
+          const float* r = r0 + (int64_t)j * stride + W * c0;
+          for (int c = 0; c < K; ++c) av[c] = V::fmadd(wj, V::load(r + W * c), av[c]);
+        }
+        for (int c = 0; c < K; ++c) V::store(ag + W * c, av[c]);
       }
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + 16 * c, av[c]);
     }
   });
-  for (int64_t x = 0; x < (int64_t)G * D; ++x) o[x] = from_f<QO>(acc[x]);
+  for (int64_t x = 0; x < (int64_t)Hq * D; ++x) o[x] = from_f<QO>(acc[x]);
 }
 #endif
 
 template <typename KV, typename QO>
 void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& kc,
                   const at::Tensor& vc, const at::Tensor& tables, const at::Tensor& rows,
-                  const at::Tensor& firsts, const at::Tensor& lens, double scale) {
+                  const at::Tensor& firsts, const at::Tensor& lens, double scale,
+                  int64_t lanes) {
   const int64_t N = rows.size(0);
   const int32_t Hq = q.size(1), D = q.size(2), Hkv = kc.size(2), bs = kc.size(1);
   const int32_t G = Hq / Hkv;
@@ -300,67 +374,94 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return lp[a] - fp[a] > lp[b] - fp[b]; });
-  // One task = one decode, its KV heads one after the other: the first head's pass
-  // brings the context's blocks (every head of a row shares its cache lines' pages)
-  // into L2, and the other heads' passes read them from there.
+  // One task = one decode. The SIMD path reads each block once for all its KV heads
+  // (a block's rows hold every head); the loop walks the context once per KV head,
+  // the first head's pass bringing the blocks into L2 for the others where L2 holds
+  // the context (2 MiB per core: yes; 512 KiB: not past ~250 float32 positions of 3
+  // heads of 64, and then every head reads it from memory again).
   const int64_t tasks = N;
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf((size_t)G * D), scores((size_t)G * widest), acc((size_t)G * D);
+    std::vector<float> qf((size_t)Hq * D), scores((size_t)Hq * widest), acc((size_t)Hq * D);
     std::vector<float> scratch((size_t)16 * D);
     for (;;) {
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
       if (task >= tasks) break;
       const int64_t i = order[task];
-      for (int32_t h = 0; h < Hkv; ++h) {
       const int64_t row = rp[i];
-      const QO* qi = qp + row * q_row + (int64_t)h * G * D;
-      QO* oi = op + row * o_row + (int64_t)h * G * D;
-      const KV* ki = kp + h * s_head;
-      const KV* vi = vp + h * s_head;
       const int32_t* table = tp + i * t_row;
       const int32_t first = fp[i], width = lp[i] - fp[i];
-      const auto run = [&](auto dc, auto gc) {
-        attend<KV, QO, decltype(dc)::value, decltype(gc)::value>(
-            qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D, (float)scale,
-            qf.data(), scores.data(), acc.data());
-      };
-      using D64 = std::integral_constant<int, 64>;
-      using D128 = std::integral_constant<int, 128>;
-      using Any = std::integral_constant<int, 0>;
-      // Without AVX-512 (the path above takes D 64 / 128 first): head geometry as
-      // constants where models have it (SmolLM2: D 64, G 3; Llama 3 and Qwen: D 128,
-      // G 4 to 8), so the head loops unroll and the q rows stay in registers.
+#ifdef SPUR_SIMD
+      if ((D == 64 || D == 128) && lanes > 1) {
+        const auto simd = [&](auto vec) {
+          using V = decltype(vec);
+          const QO* qi = qp + row * q_row;
+          QO* oi = op + row * o_row;
+          if (D == 64)
+            attend_simd<V, KV, QO, 64>(qi, oi, kp, vp, s_blk, s_off, s_head, table, first,
+                                       width, bs, Hkv, G, (float)scale, qf.data(),
+                                       scores.data(), acc.data(), scratch.data());
+          else
+            attend_simd<V, KV, QO, 128>(qi, oi, kp, vp, s_blk, s_off, s_head, table, first,
+                                        width, bs, Hkv, G, (float)scale, qf.data(),
+                                        scores.data(), acc.data(), scratch.data());
+        };
 #ifdef SPUR_AVX512
-      if (D == 64 || D == 128) {
-        if (D == 64)
-          attend512<KV, QO, 64>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G,
-                                (float)scale, qf.data(), scores.data(), acc.data(),
-                                scratch.data());
-        else
-          attend512<KV, QO, 128>(qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G,
-                                 (float)scale, qf.data(), scores.data(), acc.data(),
-                                 scratch.data());
+        if (lanes == 16) simd(Vec512{});
+#endif
+#ifdef SPUR_AVX2
+        if (lanes == 8) simd(Vec256{});
+#endif
         continue;
       }
 #endif
-      if (D == 64 && G == 3) run(D64{}, std::integral_constant<int, 3>{});
-      else if (D == 64 && G == 4) run(D64{}, std::integral_constant<int, 4>{});
-      else if (D == 64) run(D64{}, Any{});
-      else if (D == 128 && G == 4) run(D128{}, std::integral_constant<int, 4>{});
-      else if (D == 128 && G == 8) run(D128{}, std::integral_constant<int, 8>{});
-      else if (D == 128) run(D128{}, Any{});
-      else run(Any{}, Any{});
+      // Other head sizes, lanes 1, or a CPU without AVX2 + FMA: head geometry as
+      // constants where models have it (SmolLM2: D 64, G 3; Llama 3 and Qwen: D 128,
+      // G 4 to 8), so the head loops unroll and the q rows stay in registers.
+      for (int32_t h = 0; h < Hkv; ++h) {
+        const QO* qi = qp + row * q_row + (int64_t)h * G * D;
+        QO* oi = op + row * o_row + (int64_t)h * G * D;
+        const KV* ki = kp + h * s_head;
+        const KV* vi = vp + h * s_head;
+        const auto run = [&](auto dc, auto gc) {
+          attend<KV, QO, decltype(dc)::value, decltype(gc)::value>(
+              qi, oi, ki, vi, s_blk, s_off, table, first, width, bs, G, D, (float)scale,
+              qf.data(), scores.data(), acc.data());
+        };
+        using D64 = std::integral_constant<int, 64>;
+        using D128 = std::integral_constant<int, 128>;
+        using Any = std::integral_constant<int, 0>;
+        if (D == 64 && G == 3) run(D64{}, std::integral_constant<int, 3>{});
+        else if (D == 64 && G == 4) run(D64{}, std::integral_constant<int, 4>{});
+        else if (D == 64) run(D64{}, Any{});
+        else if (D == 128 && G == 4) run(D128{}, std::integral_constant<int, 4>{});
+        else if (D == 128 && G == 8) run(D128{}, std::integral_constant<int, 8>{});
+        else if (D == 128) run(D128{}, Any{});
+        else run(Any{}, Any{});
       }
     }
   });
 }
 
+// The decode paths this build has, widest first: 16 (AVX-512), 8 (AVX2 + FMA), 1 (the
+// loop every CPU runs; head sizes other than 64 and 128 always take it).
+std::vector<int64_t> decode_lanes() {
+  std::vector<int64_t> lanes;
+#ifdef SPUR_AVX512
+  lanes.push_back(16);
+#endif
+#ifdef SPUR_AVX2
+  lanes.push_back(8);
+#endif
+  lanes.push_back(1);
+  return lanes;
+}
+
 void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& tables,
                       const at::Tensor& rows, const at::Tensor& firsts, const at::Tensor& lens,
-                      double scale) {
+                      double scale, int64_t lanes) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "q and out must be [tokens, heads, head_dim] of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
@@ -375,16 +476,24 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
               "head_dim or head counts of q and the cache disagree");
   for (const auto* t : {&tables, &rows, &firsts, &lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors: int32");
+  const auto avail = decode_lanes();
+  if (lanes == 0) lanes = avail.front();
+  TORCH_CHECK(std::find(avail.begin(), avail.end(), lanes) != avail.end(), "decode_attention: ",
+              lanes, " lanes is not a path of this build: decode_lanes() lists those it has");
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   if (rows.size(0) == 0) return;
   if (kt == at::kFloat && qt == at::kFloat)
-    decode_typed<float, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+    decode_typed<float, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale,
+                              lanes);
   else if (kt == at::kFloat && qt == at::kBFloat16)
-    decode_typed<float, bf16>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+    decode_typed<float, bf16>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale,
+                              lanes);
   else if (kt == at::kBFloat16 && qt == at::kFloat)
-    decode_typed<bf16, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+    decode_typed<bf16, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale,
+                              lanes);
   else if (kt == at::kBFloat16 && qt == at::kBFloat16)
-    decode_typed<bf16, bf16>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale);
+    decode_typed<bf16, bf16>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale,
+                              lanes);
   else
     TORCH_CHECK(false, "decode_attention: float32 / bfloat16 only, got ", qt, " and ", kt);
 }
@@ -615,7 +724,7 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
 // bf16 products, float32 sums; vdpbf16ps flushes denormal inputs and results to zero:
 // the order differs from oneDNN's, the rounding to bf16 happens once at the end as
 // there). M's bound, 4, is native.SMALL_LINEAR_MAX_ROWS: change both together. R = 16 / M weight rows per unit, so that the
-// M x R dot products' lane vectors go through one sum16x16.
+// M x R dot products' lane vectors go through one Vec512::sums.
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
 constexpr bool kSmallLinear = true;
 
@@ -643,7 +752,7 @@ void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
           for (int m = 0; m < M; ++m) a[m * R + j] = _mm512_dpbf16_ps(a[m * R + j], wv, xv[m]);
         }
       }
-      _mm512_store_ps(out, sum16x16(a));
+      _mm512_store_ps(out, Vec512::sums(a));
       for (int m = 0; m < M; ++m)
         for (int j = 0; j < rows; ++j) {
           const float b = bias ? to_f(bias[n0 + j]) : 0.0f;
@@ -710,7 +819,8 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("parallel_team(int n) -> int", &parallel_team);  // no tensors: a catch-all
   m.def(
       "decode_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, "
-      "Tensor tables, Tensor rows, Tensor firsts, Tensor lens, float scale) -> ()");
+      "Tensor tables, Tensor rows, Tensor firsts, Tensor lens, float scale, int lanes=0) -> ()");
+  m.def("decode_lanes() -> int[]", &decode_lanes);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor, Tensor)");

@@ -214,11 +214,13 @@ def decode_attention(
     v_cache: torch.Tensor,
     plan: DecodePlan,
     scale: float,
+    lanes: int = 0,
 ) -> None:
     """Attention of the plan's decodes; writes out[plan.rows], nothing else.
 
     query, out: [num_tokens, num_heads, head_dim] in one dtype; k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim] views of one layer's cache.
+    lanes: the kernel's path, one of decode_lanes(lib); 0 (serving) is the widest.
     """
     if k_cache.stride() != v_cache.stride():
         raise ValueError("K and V views of the cache must share one layout")
@@ -226,8 +228,15 @@ def decode_attention(
     if out.stride(1) != out.shape[2] or out.stride(2) != 1:
         raise ValueError("out must be contiguous in [num_heads, head_dim]")
     lib.decode_attention(
-        q, out, k_cache, v_cache, plan.tables, plan.rows, plan.firsts, plan.lens, scale
+        q, out, k_cache, v_cache, plan.tables, plan.rows, plan.firsts, plan.lens, scale, lanes
     )
+
+
+def decode_lanes(lib: Any) -> list[int]:
+    """The decode kernel's paths in this build, widest first: 16 (AVX-512), 8 (AVX2 +
+    FMA), 1 (the plain loop, every CPU; head sizes other than 64 and 128 take it on
+    any path). Each is the same math; only float32 summation order differs."""
+    return [int(x) for x in lib.decode_lanes()]
 
 
 # Rows of x up to which `small_linear` serves a bf16 linear (decode steps of 1 to 4

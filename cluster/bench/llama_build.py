@@ -111,8 +111,10 @@ def _fetch_source(work: Path, log: Path, version: str, sdist: Path | None) -> Pa
     if sdist is None:
         dl = work / "sdist"
         dl.mkdir(exist_ok=True)
+        # pip prepares an sdist's metadata even to download it: in an isolated env,
+        # which fetches its build backend (scikit-build-core); not in spur's own env.
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        cmd += ["--no-build-isolation", f"llama-cpp-python=={version}", "-d", str(dl)]
+        cmd += [f"llama-cpp-python=={version}", "-d", str(dl)]
         try:
             _run(cmd, log)
         except RuntimeError as exc:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from kernel_cases import DECODES, FP8, MANY_DECODES, MIXED, dense_attention, make_case
 
+from spur.actors.worker.compute_dtype import cpu_flags
 from spur.kernels import native, paged_attention_ref
 
 
@@ -71,10 +72,11 @@ def test_decodes_match_dense_on_both_paths(reqs, sliding_window, path, dtype, at
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_every_compiled_head_dim(head_dim, group, block_size, dtype, atol, sliding_window):
-    """head_dim 64 and 128 run the AVX-512 path where the CPU has it (block_size 32:
-    a block is two runs of 16 rows; bf16 rows widened into its scratch; a sliding
-    window starts mid-block), else specialized copies of the loop for 3 / 4 (64) and
-    4 / 8 (128) query heads per KV head; other head sizes the generic loop."""
+    """head_dim 64 and 128 run the widest SIMD path the CPU has (AVX-512 or AVX2:
+    block_size 32 is split into runs of 16 or 8 rows; bf16 rows widened into its
+    scratch; a sliding window starts mid-block), else specialized copies of the loop
+    for 3 / 4 (64) and 4 / 8 (128) query heads per KV head; other head sizes the
+    generic loop."""
     case = make_case(
         MANY_DECODES,
         num_kv_heads=3,
@@ -91,6 +93,55 @@ def test_every_compiled_head_dim(head_dim, group, block_size, dtype, atol, slidi
     n = case.metadata.num_actual_tokens
     expected = dense_attention(case, sliding_window)
     torch.testing.assert_close(out[:n].double(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group", "block_size"), [(64, 3, 16), (64, 3, 32), (128, 4, 8), (128, 8, 16)]
+)
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_every_decode_path_of_the_build(head_dim, group, block_size, dtype, atol, sliding_window):
+    """Each of the build's decode paths (decode_lanes: 16 = AVX-512, 8 = AVX2 + FMA,
+    1 = the plain loop) matches the dense oracle, so the narrower CPUs' paths are
+    tested wherever the suite runs (blocks of 8 to 32 rows: whole and split runs)."""
+    lib = native.build()
+    lanes = native.decode_lanes(lib)
+    assert lanes[-1] == 1 and lanes == sorted(lanes, reverse=True)
+    flags = cpu_flags()
+    assert (8 in lanes) == {"avx2", "fma"}.issubset(flags)
+    assert (16 in lanes) == ("avx512f" in flags)
+    case = make_case(
+        MANY_DECODES,
+        num_kv_heads=3,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        cache_dtype=dtype,
+    )
+    m = case.metadata
+    starts, seq_lens = m.query_start_loc_cpu.tolist(), m.seq_lens_cpu.tolist()
+    decodes = [r for r in range(m.num_reqs) if starts[r + 1] - starts[r] == 1]
+    window = sliding_window or max(seq_lens)
+    firsts = [max(0, seq_lens[r] - window) for r in decodes]
+    plan = native.plan_decodes(
+        m.block_tables,
+        decodes,
+        [starts[r] for r in decodes],
+        firsts,
+        [seq_lens[r] for r in decodes],
+        num_blocks=case.kv_cache.shape[1],
+        block_size=block_size,
+    )
+    rows = plan.rows.long()
+    expected = dense_attention(case, sliding_window)[rows]
+    k_cache, v_cache = case.kv_cache.unbind(0)
+    for n in lanes:
+        out = torch.zeros_like(case.query)
+        native.decode_attention(lib, case.query, out, k_cache, v_cache, plan, case.scale, n)
+        torch.testing.assert_close(out[rows].double(), expected, atol=atol, rtol=atol)
+    with pytest.raises(RuntimeError, match="decode_lanes"):
+        native.decode_attention(lib, case.query, out, k_cache, v_cache, plan, case.scale, 4)
 
 
 def test_bf16_query_on_fp32_cache_writes_its_own_dtype():
