@@ -112,13 +112,10 @@ def test_bad_arguments(llama_dir):
     assert hf.hf_greedy(llama_dir, [[5, 6]], 0) == [[]]
 
 
-def test_peak_rss_sees_an_allocation():
-    # RSS counts shared pages too, and what earlier tests left in this process (a
-    # Ray driver maps object-store pages, say) can release tens of MiB at any
-    # moment: one clean CI run saw a 64 MiB block show as a 4 KiB peak. A 256 MiB
-    # block with half of it required leaves room for that.
+def _peak_over_an_allocation(nbytes: int) -> hf.PeakRss:
+    """PeakRss over a block that allocates and touches `nbytes`."""
     with hf.PeakRss(interval_s=0.005) as rss:
-        block = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, touched
+        block = torch.ones(nbytes, dtype=torch.uint8)
         block.add_(1)
         # Hold the block until the sampling thread has read RSS twice more: on a
         # loaded machine a fixed sleep can pass before the thread runs at all.
@@ -127,7 +124,25 @@ def test_peak_rss_sees_an_allocation():
             time.sleep(0.005)
         assert rss.samples >= seen + 2, "the sampling thread never ran"
         del block
-    assert rss.delta_bytes >= 128 << 20
+    return rss
+
+
+def test_peak_rss_sees_an_allocation():
+    # RSS counts shared and file-backed pages too, and they can leave at any moment:
+    # what earlier tests left in this process (a Ray driver maps object-store pages,
+    # say) is released, and on VMs whose kernel runs DAMON with a pageout scheme
+    # (kdamond) cold file pages of earlier tests' mmapped models can be paged out. One
+    # clean CI run saw a 64 MiB block show as a 4 KiB peak; on such a VM a 256 MiB
+    # block showed under 128 MiB once, run after the model tests. So: a 256 MiB block
+    # with half of it required, in one of three tries (a PeakRss that misses
+    # allocations misses all three).
+    deltas = []
+    for _ in range(3):
+        rss = _peak_over_an_allocation(256 << 20)
+        deltas.append(rss.delta_bytes)
+        if rss.delta_bytes >= 128 << 20:
+            break
+    assert rss.delta_bytes >= 128 << 20, f"peak RSS growth over a 256 MiB block: {deltas}"
     assert hf.max_rss_bytes() >= rss.peak_bytes // 2
 
 
