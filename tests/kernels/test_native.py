@@ -56,6 +56,19 @@ def test_decodes_match_dense_on_both_paths(reqs, sliding_window, path, dtype, at
     assert not out[n:].any(), "padding rows must be zero"
 
 
+def _geometry_case(head_dim: int, group: int, block_size: int, dtype: torch.dtype):
+    """MANY_DECODES over 3 KV heads of the given geometry, cache in the query's dtype."""
+    return make_case(
+        MANY_DECODES,
+        num_kv_heads=3,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        cache_dtype=dtype,
+    )
+
+
 @pytest.mark.parametrize(
     ("head_dim", "group", "block_size"),
     [
@@ -77,15 +90,7 @@ def test_every_compiled_head_dim(head_dim, group, block_size, dtype, atol, slidi
     scratch; a sliding window starts mid-block), else specialized copies of the loop
     for 3 / 4 (64) and 4 / 8 (128) query heads per KV head; other head sizes the
     generic loop."""
-    case = make_case(
-        MANY_DECODES,
-        num_kv_heads=3,
-        group=group,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        cache_dtype=dtype,
-    )
+    case = _geometry_case(head_dim, group, block_size, dtype)
     assert native.decode_kernel(case.query, case.kv_cache) is not None
     out = paged_attention_ref(
         case.query, case.kv_cache, case.metadata, scale=case.scale, sliding_window=sliding_window
@@ -110,15 +115,7 @@ def test_every_decode_path_of_the_build(head_dim, group, block_size, dtype, atol
     flags = cpu_flags()
     assert (8 in lanes) == {"avx2", "fma"}.issubset(flags)
     assert (16 in lanes) == ("avx512f" in flags)
-    case = make_case(
-        MANY_DECODES,
-        num_kv_heads=3,
-        group=group,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        cache_dtype=dtype,
-    )
+    case = _geometry_case(head_dim, group, block_size, dtype)
     m = case.metadata
     starts, seq_lens = m.query_start_loc_cpu.tolist(), m.seq_lens_cpu.tolist()
     decodes = [r for r in range(m.num_reqs) if starts[r + 1] - starts[r] == 1]
