@@ -765,6 +765,104 @@ void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
 constexpr bool kSmallLinear = false;
 #endif
 
+// ----------------------------------------------------------------- small-batch fp32 linear
+//
+// y = x W^T (+ bias) in float32 for decode's row counts (1 to 16 rows of x), on CPUs
+// with AVX2 + FMA but not AVX-512. There torch's float32 linear is MKL's sgemm, and on
+// the AVX2-only AMD EPYC of the tenth round (BENCHMARKS.md) it is slow exactly at
+// these sizes: 4 rows cost 3.7x one, a 16-row LM head reads its weights at 2.6 GB/s.
+// Here a unit is R = 3 weight rows, read once from memory (the next unit's rows
+// prefetched a cache line at a time) and kept in L1 while every chunk of up to 4 rows
+// of x passes over them: dot products along K, 4 x 3 lane vectors of sums (12 of the
+// 16 ymm registers), reduced with Vec256::sums. float32 throughout; the order of the
+// additions differs from MKL's, as MKL's own differs between row counts.
+#if defined(SPUR_AVX2) && !defined(SPUR_AVX512)
+constexpr bool kLinearF32 = true;
+
+template <int MC>
+inline void linear_f32_unit(const float* x, int64_t x_row, const float* w, int64_t w_row,
+                            int rows, int64_t K, const float* bias, float* y, int64_t y_row,
+                            const float* next, int64_t next_rows) {
+  constexpr int R = 3;
+  __m256 a[8 * 2];
+  for (int i = 0; i < 16; ++i) a[i] = _mm256_setzero_ps();
+  const float* wr[R];
+  for (int j = 0; j < R; ++j) wr[j] = w + (int64_t)std::min(j, rows - 1) * w_row;
+  for (int64_t k = 0; k < K; k += 8) {
+    if (next != nullptr && (k & 15) == 0)
+      for (int j = 0; j < next_rows; ++j) __builtin_prefetch(next + j * w_row + k, 0, 3);
+    __m256 wv[R];
+    for (int j = 0; j < R; ++j) wv[j] = _mm256_loadu_ps(wr[j] + k);
+    for (int m = 0; m < MC; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * x_row + k);
+      for (int j = 0; j < R; ++j) a[m * R + j] = _mm256_fmadd_ps(wv[j], xv, a[m * R + j]);
+    }
+  }
+  alignas(32) float out[16];
+  _mm256_store_ps(out, Vec256::sums(a));
+  _mm256_store_ps(out + 8, Vec256::sums(a + 8));
+  for (int m = 0; m < MC; ++m)
+    for (int j = 0; j < rows; ++j) y[m * y_row + j] = out[m * R + j] + (bias ? bias[j] : 0.0f);
+}
+
+void linear_f32_typed(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                      int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
+  constexpr int R = 3;
+  const int64_t units = (N + R - 1) / R;
+  at::parallel_for(0, units, 16, [&](int64_t ub, int64_t ue) {
+    for (int64_t u = ub; u < ue; ++u) {
+      const int64_t n0 = u * R;
+      const int rows = (int)std::min<int64_t>(R, N - n0);
+      const float* wu = w + n0 * w_row;
+      const float* next = u + 1 < ue ? wu + R * w_row : nullptr;
+      const int64_t next_rows = next ? std::min<int64_t>(R, N - n0 - R) : 0;
+      const float* bu = bias ? bias + n0 : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* xm = x + m0 * x_row;
+        float* ym = y + m0 * N + n0;
+        // the unit's rows are in L1 after the first chunk: prefetch only with it
+        const float* nx = m0 == 0 ? next : nullptr;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: linear_f32_unit<1>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 2: linear_f32_unit<2>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 3: linear_f32_unit<3>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          default: linear_f32_unit<4>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows);
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kLinearF32 = false;
+#endif
+
+bool linear_f32_supported() { return kLinearF32; }
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kLinearF32, "linear_f32: built for a CPU with AVX-512 or without AVX2");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear_f32: x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "linear_f32: float32 only");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "linear_f32: unit inner strides");
+  TORCH_CHECK(x.size(1) % 8 == 0, "linear_f32: K must be a multiple of 8");
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= 16, "linear_f32: 1 to 16 rows");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "linear_f32: bias [N] float32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+#if defined(SPUR_AVX2) && !defined(SPUR_AVX512)
+  linear_f32_typed(x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, N,
+                   K, x.stride(0), weight.stride(0));
+#endif
+  return y;
+}
+
 bool small_linear_supported() { return kSmallLinear; }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -827,6 +925,8 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("small_linear_supported() -> bool", &small_linear_supported);
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_f32_supported() -> bool", &linear_f32_supported);
+  m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) kv_cache, "
       "Tensor slots, int num_heads, int num_kv_heads, int head_dim, int rotary_dim) -> Tensor");
@@ -838,5 +938,6 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("small_linear", &small_linear);
+  m.impl("linear_f32", &linear_f32);
   m.impl("rope_store_kv", &rope_store_kv);
 }

@@ -243,37 +243,54 @@ def decode_lanes(lib: Any) -> list[int]:
 # requests); torch's matmul serves larger batches, where AMX tiles pay off. The op
 # refuses more than 4 (cpu_ops.cpp): raise both together.
 SMALL_LINEAR_MAX_ROWS = 4
+# Rows of x for which `small_linear` serves a float32 linear on an AVX2 CPU without
+# AVX-512 (the op `linear_f32`, which refuses more than 16): there MKL's sgemm is slow
+# at decode's row counts (BENCHMARKS.md, tenth round: 2.4-5.2x at 4 to 16 rows of
+# SmolLM2's shapes); at one row it is as fast, and past 16 MKL's blocking pays off.
+LINEAR_F32_ROWS = (2, 16)
 
 
 def small_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` for bf16 on CPU with at most SMALL_LINEAR_MAX_ROWS
-    rows of x, through the AVX-512 BF16 op; None where torch's matmul serves (other
-    dtypes or devices, more rows, in-features not a multiple of 32, strided inputs, a
-    CPU or build without AVX-512 BF16, or no extension).
+    """`F.linear(x, weight, bias)` on CPU for decode's row counts through a native op,
+    or None where torch's matmul serves:
 
-    x: [..., K] bf16; weight: [N, K] bf16; bias: [N] bf16 or None -> [..., N] bf16.
+    - bfloat16, 1 to SMALL_LINEAR_MAX_ROWS rows of x, in-features a multiple of 32, on
+      builds with AVX-512 BF16 (`small_linear`: bf16 dot products, one rounding);
+    - float32, LINEAR_F32_ROWS rows, in-features a multiple of 8, on builds with AVX2
+      and without AVX-512 (`linear_f32`).
+
+    Otherwise (other dtypes, devices or row counts, strided inputs, another CPU, no
+    extension) None. x: [..., K]; weight: [N, K]; bias: [N] or None, all of x's
+    dtype -> [..., N].
     """
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.device.type != "cpu" or weight.dtype != x.dtype:
+        return None
+    if x.dtype == torch.bfloat16:
+        op, (lo, hi), multiple = "small_linear", (1, SMALL_LINEAR_MAX_ROWS), 32
+    elif x.dtype == torch.float32:
+        op, (lo, hi), multiple = "linear_f32", LINEAR_F32_ROWS, 8
+    else:
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 1 <= rows <= SMALL_LINEAR_MAX_ROWS or k % 32 or weight.stride(-1) != 1:
+    if not lo <= rows <= hi or k % multiple or weight.stride(-1) != 1:
         return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
     lib = ops()
-    if lib is None or not _small_linear_built(lib):
+    if lib is None or not _built(lib, op):
         return None
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
         return None
-    return lib.small_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return getattr(lib, op)(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-def _small_linear_built(lib: Any) -> bool:
-    built = _state.get("small_linear")
+def _built(lib: Any, op: str) -> bool:
+    """Whether this build has `op` (small_linear / linear_f32: each for one CPU class)."""
+    built = _state.get(op)
     if built is None:
-        built = _state["small_linear"] = bool(lib.small_linear_supported())
+        built = _state[op] = bool(getattr(lib, f"{op}_supported")())
     return built

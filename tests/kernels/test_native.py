@@ -342,7 +342,7 @@ def test_small_linear_keeps_leading_dims_and_leaves_other_cases_to_torch():
     got = native.small_linear(x, w)
     assert got is not None and got.shape == (1, 2, 8)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
-    assert native.small_linear(x.float(), w.float()) is None  # float32: torch's GEMV
+    assert native.small_linear(x.float(), w.float()) is None  # float32 on AVX-512: MKL
     many = torch.randn(native.SMALL_LINEAR_MAX_ROWS + 1, 64).to(torch.bfloat16)
     assert native.small_linear(many, w) is None  # a batch: AMX tiles
     assert native.small_linear(x[..., :48], w[:, :48]) is None  # K not a multiple of 32
@@ -353,3 +353,46 @@ def test_small_linear_is_off_with_the_native_ops(monkeypatch):
     monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
     x, w = torch.randn(1, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
     assert native.small_linear(x, w) is None
+
+
+def _linear_f32_lib():
+    lib = native.build()
+    if not lib.linear_f32_supported():
+        pytest.skip("linear_f32 serves CPUs with AVX2 and without AVX-512; this is another")
+    return lib
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (17, 64), (100, 576), (7, 1544)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bias):
+    """Against float64 math and F.linear, within float32 summation error (row chunks
+    of 4, units of 3 weight rows with a partial last one, K of one to 193 vectors)."""
+    _linear_f32_lib()
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    got = native.small_linear(x, w, b)
+    assert got is not None and got.dtype == torch.float32
+    assert got.shape == (rows, out_features)
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch():
+    lib = _linear_f32_lib()
+    w = torch.randn(8, 64)
+    x = torch.randn(2, 3, 64)
+    got = native.small_linear(x, w)
+    assert got is not None and got.shape == (2, 3, 8)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
+    lo, hi = native.LINEAR_F32_ROWS
+    assert native.small_linear(torch.randn(lo - 1, 64), w) is None  # one row: MKL's GEMV
+    assert native.small_linear(torch.randn(hi + 1, 64), w) is None  # a batch: MKL's GEMM
+    assert native.small_linear(x[..., :60], w[:, :60]) is None  # K not a multiple of 8
+    assert native.small_linear(x, w.T.contiguous().T) is None  # weight not row-major
+    assert native.small_linear(x, w.to(torch.bfloat16)) is None  # mixed dtypes
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        lib.linear_f32(torch.randn(17, 64), w, None)

@@ -100,7 +100,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`hidden_states [n, dim] -> logits [n, vocab_size]` float32, full vocab on every rank."""
-        logits = native.small_linear(hidden_states, self.weight)  # bf16, 1-4 rows
+        logits = native.small_linear(hidden_states, self.weight)  # decode row counts
         if logits is None:
             logits = F.linear(hidden_states, self.weight)  # [n, vocab / T]
         if self.tp.is_parallel:

@@ -117,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = native.small_linear(x, self.weight, self.bias)  # bf16 decode of 1-4 rows
+        y = native.small_linear(x, self.weight, self.bias)  # decode row counts (native.py)
         if y is None:
             y = F.linear(x, self.weight, self.bias)  # [..., out/T]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
@@ -313,7 +313,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = native.small_linear(x, self.weight)  # bf16 decode of 1-4 rows
+        y = native.small_linear(x, self.weight)  # decode row counts (native.py)
         if y is None:
             y = F.linear(x, self.weight)  # [..., out], partial sum on this rank
         if self.reduce_results:
