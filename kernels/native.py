@@ -15,7 +15,7 @@ load time to the libgomp torch has already loaded.
 The extension is compiled once per machine with `torch.utils.cpp_extension.load`
 (the C++ compiler `$CXX`, else `c++`; ninja, a pyproject dependency) into `native/`
 under spur's cache directory (`configs/env.py`), keyed by the source, the flags, the
-torch version and the CPU's feature flags (the build uses -march=native); a cached
+compiler, the torch version and the CPU's feature flags (the build uses -march=native); a cached
 build loads in well under a second, a fresh one takes 20 to 60 s. Without a compiler
 or ninja, or with SPUR_NATIVE_KERNELS=0, `ops()` returns None and every caller takes
 its pure-torch path (SDPA for attention); a failed build is logged once, with the
@@ -67,8 +67,11 @@ def _cpu_flags() -> str:
 def build(cxx: str | None = None) -> Any:
     """Compile (unless cached) and load the extension; returns `torch.ops.spur_cpu`.
 
-    Raises RuntimeError naming the cause: no C++ compiler, no ninja, or the
-    compiler's error. Loading twice in one process returns the loaded ops.
+    Raises RuntimeError naming the cause: no C++ compiler, no ninja, the compiler's
+    error, or another build already loaded in this process. Building the loaded one
+    again returns its ops without touching cpp_extension: a second `load` of a name
+    whose earlier build failed gets a new file (`_v1`, `_v2`: torch's versioner), and
+    loading a second library that registers `spur_cpu` aborts the process.
     """
     from torch.utils import cpp_extension
 
@@ -85,7 +88,17 @@ def build(cxx: str | None = None) -> Any:
         + torch.__version__.encode()
         + _cpu_flags().encode()
         + platform.machine().encode()
+        + cxx.encode()
     ).hexdigest()[:16]
+    loaded = _state.get("loaded")
+    if loaded == key:
+        return torch.ops.spur_cpu
+    if loaded is not None:
+        raise RuntimeError(
+            f"spur's native ops are loaded in this process already (build {loaded}); another "
+            f"build ({key}: a changed source, compiler or flags) cannot be loaded beside it, "
+            "as both register torch.ops.spur_cpu: restart the process to use it"
+        )
     out = env.cache_dir() / "native" / f"cpu_ops-{key}"
     out.mkdir(parents=True, exist_ok=True)
     old = os.environ.get("CXX")
@@ -109,6 +122,7 @@ def build(cxx: str | None = None) -> Any:
             os.environ.pop("CXX", None)
         else:
             os.environ["CXX"] = old
+    _state["loaded"] = key
     return torch.ops.spur_cpu
 
 

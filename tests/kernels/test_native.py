@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_cases import DECODES, FP8, MANY_DECODES, MIXED, dense_attention, make_case
 
 from spur.actors.worker.compute_dtype import cpu_flags
@@ -164,9 +165,23 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_failed_compile_shows_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delitem(native._state, "loaded", raising=False)  # as in a fresh process
     with pytest.raises(RuntimeError, match="failed"):
         native.build(cxx="false")
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
+
+
+def test_a_second_build_in_one_process_is_refused_and_the_first_still_serves():
+    """Loading a second library that registers spur_cpu would abort the process (a
+    static initializer throws), and so would building the loaded one again after a
+    failed build of its name (torch's versioner writes and loads a `_v1` file): the
+    loaded build is returned as it is, another is a clear error."""
+    lib = native.build()
+    with pytest.raises(RuntimeError, match="restart the process"):
+        native.build(cxx="false")  # another compiler: another build
+    assert native.build() is lib
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(lib.silu_and_mul(x), F.silu(x[:, :4]) * x[:, 4:])
 
 
 def test_switch_off_means_no_ops(monkeypatch):
