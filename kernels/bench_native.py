@@ -9,12 +9,22 @@ SiLU-and-mul at 64 rows (hidden 576, intermediate 1536), native vs torch. Median
 of interleaved rounds in one process (timings on a shared machine are only
 comparable within a run). Prints one line per measurement; BENCHMARKS.md (seventh
 round) quotes it.
+
+`python -m spur.kernels.bench_native --linear [ROWS,...]`: the linear layers of
+SmolLM2 (qkv, o, gate_up, down, LM head) at decode's row counts, torch's `F.linear`
+beside the native op `native.small_linear` dispatches to for the dtype (`linear_f32`
+for float32 on AVX2 builds without AVX-512, `small_linear` for bf16 on AVX-512 BF16),
+called directly so that row counts outside the dispatch range are measured too. The
+weights are cycled through ~600 MB of copies so they come from memory, as in a
+decode step; best of 5 passes, the arms interleaved. One line per shape and row count
+(BENCHMARKS.md, tenth round).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -110,5 +120,56 @@ def main(rounds: int = 15) -> None:
         print(f"{dtype}: {label}: native {a:.0f} us, torch {b:.0f} us")
 
 
+# SmolLM2-135M's linear layers: [out_features, in_features]
+LINEAR_SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def linear(rows: list[int], dtypes: tuple[torch.dtype, ...] = native.DTYPES) -> None:
+    """Torch's F.linear vs the native op per shape and row count (see the docstring)."""
+    torch.set_num_threads(2)
+    lib = native.ops()
+    ops = {torch.float32: "linear_f32", torch.bfloat16: "small_linear"}
+    for dtype in dtypes:
+        op = ops[dtype]
+        if lib is None or not native._built(lib, op):
+            print(f"{dtype}: this CPU or build has no native {op}: torch serves every row count")
+            continue
+        kernel = getattr(lib, op)
+        for name, (n, k) in LINEAR_SHAPES.items():
+            copies = max(2, int(600e6 // (n * k * dtype.itemsize)))
+            ws = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+            for m in rows:
+                x = torch.randn(m, k).to(dtype)
+                diff = (F.linear(x, ws[0]).float() - kernel(x, ws[0], None).float()).abs().max()
+                arms = {
+                    "torch": lambda w, x=x: F.linear(x, w),
+                    "native": lambda w, x=x, kernel=kernel: kernel(x, w, None),
+                }
+                best = {a: float("inf") for a in arms}
+                for _ in range(5):
+                    for a, fn in arms.items():
+                        t = time.perf_counter()
+                        for w in ws:
+                            fn(w)
+                        best[a] = min(best[a], (time.perf_counter() - t) / len(ws))
+                gb_s = n * k * dtype.itemsize / best["native"] / 1e9
+                print(
+                    f"{dtype} {name} [{n}, {k}] {m} rows: torch {best['torch'] * 1e3:.3f} ms, "
+                    f"{op} {best['native'] * 1e3:.3f} ms ({best['torch'] / best['native']:.2f}x, "
+                    f"weights at {gb_s:.1f} GB/s), max |diff| {float(diff):.1e}",
+                    flush=True,
+                )
+            del ws
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--linear":
+        linear([int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,2,4,8,16").split(",")])
+    else:
+        main()

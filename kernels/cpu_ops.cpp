@@ -767,10 +767,11 @@ constexpr bool kSmallLinear = false;
 
 // ----------------------------------------------------------------- small-batch fp32 linear
 //
-// y = x W^T (+ bias) in float32 for decode's row counts (1 to 16 rows of x), on CPUs
+// y = x W^T (+ bias) in float32 for decode's row counts (1 to 64 rows of x), on CPUs
 // with AVX2 + FMA but not AVX-512. There torch's float32 linear is MKL's sgemm, and on
 // the AVX2-only AMD EPYC of the tenth round (BENCHMARKS.md) it is slow exactly at
 // these sizes: 4 rows cost 3.7x one, a 16-row LM head reads its weights at 2.6 GB/s.
+// 64 rows of x (at most 393 KB at K = 1536) stay in a 512 KiB L2 beside the unit.
 // Here a unit is R = 3 weight rows, read once from memory (the next unit's rows
 // prefetched a cache line at a time) and kept in L1 while every chunk of up to 4 rows
 // of x passes over them: dot products along K, 4 x 3 lane vectors of sums (12 of the
@@ -848,7 +849,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "linear_f32: unit inner strides");
   TORCH_CHECK(x.size(1) % 8 == 0, "linear_f32: K must be a multiple of 8");
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= 16, "linear_f32: 1 to 16 rows");
+  TORCH_CHECK(M >= 1 && M <= 64, "linear_f32: 1 to 64 rows");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,

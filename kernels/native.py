@@ -5,7 +5,9 @@ small kernels (see its header): paged decode attention reading K/V in place thro
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
 AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
-weights at half the memory's rate). They are registered as `torch.ops.spur_cpu.*`
+weights at half the memory's rate), and a float32 linear for 2 to 64 rows on AVX2
+CPUs without AVX-512 (`linear_f32`: there MKL's sgemm is slow at these row counts).
+They are registered as `torch.ops.spur_cpu.*`
 (TORCH_LIBRARY, no pybind) and parallelised with `at::parallel_for`, i.e. on torch's
 own OpenMP team:
 the build passes `-fopenmp` (ATen's parallel_for is a pragma in its headers: without
@@ -258,10 +260,11 @@ def decode_lanes(lib: Any) -> list[int]:
 # refuses more than 4 (cpu_ops.cpp): raise both together.
 SMALL_LINEAR_MAX_ROWS = 4
 # Rows of x for which `small_linear` serves a float32 linear on an AVX2 CPU without
-# AVX-512 (the op `linear_f32`, which refuses more than 16): there MKL's sgemm is slow
-# at decode's row counts (BENCHMARKS.md, tenth round: 2.4-5.2x at 4 to 16 rows of
-# SmolLM2's shapes); at one row it is as fast, and past 16 MKL's blocking pays off.
-LINEAR_F32_ROWS = (2, 16)
+# AVX-512 (the op `linear_f32`, which refuses more than 64): there MKL's sgemm is slow
+# at decode's row counts (BENCHMARKS.md, tenth round: 2-5x at 4 to 16 rows of SmolLM2's
+# shapes, 1.2-2x at 32 to 64); at one row it is as fast. Past 64 rows (prefill chunks)
+# x no longer fits in a 512 KiB L2 beside the weights and MKL's blocking serves.
+LINEAR_F32_ROWS = (2, 64)
 
 
 def small_linear(
