@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--matmul-floor",
         action="store_true",
-        help="also time the spur run's matmuls alone: the ratio if nothing else cost time",
+        help="also time the spur run's matmuls alone, on torch's path as transformers "
+        "computes them (the ceiling: the ratio if nothing else cost time) and on spur's",
     )
     engine.add_argument(
         "--plot",

@@ -38,6 +38,8 @@ import platform
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,7 +284,7 @@ def small_linear(
     extension) None. x: [..., K]; weight: [N, K]; bias: [N] or None, all of x's
     dtype -> [..., N].
     """
-    if x.device.type != "cpu" or weight.dtype != x.dtype:
+    if x.device.type != "cpu" or weight.dtype != x.dtype or _state.get("torch_linears"):
         return None
     if x.dtype == torch.bfloat16:
         op, (lo, hi), multiple = "small_linear", (1, SMALL_LINEAR_MAX_ROWS), 32
@@ -303,6 +305,19 @@ def small_linear(
     if x2.stride(-1) != 1:
         return None
     return getattr(lib, op)(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+@contextmanager
+def torch_linears() -> Iterator[None]:
+    """Within it `small_linear` returns None in this process: every linear layer runs
+    torch's `F.linear`, the path transformers computes with (`spur bench engine
+    --matmul-floor` times its ceiling so). Not thread-safe: for benchmarks."""
+    before = _state.get("torch_linears", False)
+    _state["torch_linears"] = True
+    try:
+        yield
+    finally:
+        _state["torch_linears"] = before
 
 
 def _built(lib: Any, op: str) -> bool:

@@ -8,6 +8,7 @@ tokens; the executor reads rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -28,7 +29,7 @@ from spur.actors.worker.input_batch import RequestStates
 from spur.actors.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spur.actors.worker.sampler import Sampler
 from spur.actors.worker.sampling_metadata import SamplerState
-from spur.kernels import AttentionMetadata
+from spur.kernels import AttentionMetadata, native
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +328,9 @@ class ModelRunner:
 
     # -- profiling ----------------------------------------------------------------------
     @torch.inference_mode()
-    def time_matmuls(self, shapes: list[tuple[int, int, int]], repeats: int = 3) -> float:
+    def time_matmuls(
+        self, shapes: list[tuple[int, int, int]], repeats: int = 3, *, torch_path: bool = False
+    ) -> float:
         """Seconds this rank's linear layers and LM head take for a run of steps.
 
         `shapes`: (tokens in the step, rows sent to the LM head, number of such
@@ -339,7 +342,9 @@ class ModelRunner:
         RoPE, activations, sampling and bookkeeping are left out: this is what a
         step would cost if only its matmuls were left, a floor for this machine.
         Under tensor parallelism every rank must be called together (the row-parallel
-        layers all-reduce, which counts as part of the floor).
+        layers all-reduce, which counts as part of the floor). `torch_path`: the
+        layers compute with torch's `F.linear` only (`native.torch_linears`), as
+        transformers does, instead of the native linears serving decode's row counts.
         """
         linears = [
             m
@@ -368,11 +373,12 @@ class ModelRunner:
             _sync(dev)
             return time.perf_counter() - t0
 
-        one(8, 8)  # warm-up: first calls pay one-time costs
-        return sum(
-            count * min(one(tokens, logits) for _ in range(max(1, repeats)))
-            for tokens, logits, count in shapes
-        )
+        with native.torch_linears() if torch_path else contextlib.nullcontext():
+            one(8, 8)  # warm-up: first calls pay one-time costs
+            return sum(
+                count * min(one(tokens, logits) for _ in range(max(1, repeats)))
+                for tokens, logits, count in shapes
+            )
 
     def memory_read_rate(self, buffer_bytes: int = 1 << 30, repeats: int = 3) -> float:
         """Bytes per second this rank's device streams from its memory: the fastest of

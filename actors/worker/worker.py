@@ -218,10 +218,10 @@ class Worker:
             "shapes": [[n, m, c] for (n, m), c in sorted(t.shapes.items())],
         }
 
-    def time_matmuls(self, shapes: list[tuple[int, int, int]]) -> float:
+    def time_matmuls(self, shapes: list[tuple[int, int, int]], torch_path: bool = False) -> float:
         """See `ModelRunner.time_matmuls`."""
         assert self.runner is not None, "load_model first"
-        return self.runner.time_matmuls(shapes)
+        return self.runner.time_matmuls(shapes, torch_path=torch_path)
 
     def memory_read_rate(self) -> float:
         """See `ModelRunner.memory_read_rate`."""

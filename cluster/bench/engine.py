@@ -168,11 +168,14 @@ def run_spur_arm(
     With `matmul_floor`, the timed run's step shapes are replayed through the
     model's linear layers and LM head alone (`ModelRunner.time_matmuls`) before
     shutting down: `matmul_s` is what the run would take if attention, norms,
-    sampling and scheduling cost nothing. Decode attention is not free, though: it
-    must read each context's K/V rows once per step, a memory-bound cost that no
-    kernel removes. So the arm also measures the device's read rate
-    (`ModelRunner.memory_read_rate`) and reports `kv_read_floor_s`, the workload's
-    decode K/V bytes at that rate (see `_kv_floor`).
+    sampling and scheduling cost nothing, its matmuls computed on torch's path as
+    transformers computes them (the ceiling: spur's own kernels cannot move it);
+    `spur_matmul_s` replays them on spur's path (native linears at decode's row
+    counts where the CPU has them), which the profile splits the forward by.
+    Decode attention is not free, though: it must read each context's K/V rows once
+    per step, a memory-bound cost that no kernel removes. So the arm also measures
+    the device's read rate (`ModelRunner.memory_read_rate`) and reports
+    `kv_read_floor_s`, the workload's decode K/V bytes at that rate (see `_kv_floor`).
     """
     from spur.actors.llm import LLM
     from spur.actors.step import SamplingParams
@@ -202,16 +205,21 @@ def run_spur_arm(
             compute_dtype = llm.info.compute_dtype
             floor: dict[str, Any] = {}
             matmul_s = None
+            spur_matmul_s = None
             if matmul_floor:
                 shapes = _shape_delta(before, after_times["shapes"])
-                matmul_s = max(llm.executor.collective_rpc("time_matmuls", (shapes,)))
+                # The ceiling: the run's matmuls on torch's path, as transformers computes
+                # them; the profile: on spur's own (native linears at decode's row counts).
+                matmul_s = max(llm.executor.collective_rpc("time_matmuls", (shapes, True)))
+                spur_matmul_s = max(llm.executor.collective_rpc("time_matmuls", (shapes, False)))
                 floor = _floor(shapes, matmul_s, elapsed)
+                floor["spur_matmul_s"] = round(spur_matmul_s, 3)
                 rate = min(llm.executor.collective_rpc("memory_read_rate"))
                 kv_bytes = decode_kv_positions(prompts, output_lens) * (
                     block_bytes // llm.scheduler.block_size
                 )
                 floor.update(_kv_floor(kv_bytes, rate, matmul_s, elapsed))
-            profile = step_profile(before_times, after_times, elapsed, matmul_s)
+            profile = step_profile(before_times, after_times, elapsed, spur_matmul_s)
         finally:
             llm.shutdown()
     token_ids = [list(o.outputs[0].token_ids) for o in outs]

@@ -409,5 +409,8 @@ def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch():
     assert native.small_linear(x[..., :60], w[:, :60]) is None  # K not a multiple of 8
     assert native.small_linear(x, w.T.contiguous().T) is None  # weight not row-major
     assert native.small_linear(x, w.to(torch.bfloat16)) is None  # mixed dtypes
+    with native.torch_linears():  # the engine bench's ceiling: transformers' path
+        assert native.small_linear(x, w) is None
+    assert native.small_linear(x, w) is not None
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
         lib.linear_f32(torch.randn(65, 64), w, None)
