@@ -5,7 +5,7 @@ small kernels (see its header): paged decode attention reading K/V in place thro
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
 AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
-weights at half the memory's rate), and a float32 linear for 2 to 64 rows on AVX2
+weights at half the memory's rate), and a float32 linear for 1 to 64 rows on AVX2
 CPUs without AVX-512 (`linear_f32`: there MKL's sgemm is slow at these row counts).
 They are registered as `torch.ops.spur_cpu.*`
 (TORCH_LIBRARY, no pybind) and parallelised with `at::parallel_for`, i.e. on torch's
@@ -263,10 +263,13 @@ def decode_lanes(lib: Any) -> list[int]:
 SMALL_LINEAR_MAX_ROWS = 4
 # Rows of x for which `small_linear` serves a float32 linear on an AVX2 CPU without
 # AVX-512 (the op `linear_f32`, which refuses more than 64): there MKL's sgemm is slow
-# at decode's row counts (BENCHMARKS.md, tenth round: 2-5x at 4 to 16 rows of SmolLM2's
-# shapes, 1.2-2x at 32 to 64); at one row it is as fast. Past 64 rows (prefill chunks)
-# x no longer fits in a 512 KiB L2 beside the weights and MKL's blocking serves.
-LINEAR_F32_ROWS = (2, 64)
+# at decode's row counts (BENCHMARKS.md, eleventh round, SmolLM2's shapes on a quiet
+# EPYC: 1.4-2.3x at one row, 2.6-4.8x at 2-4, 1.6-3.2x at 8-16, 1.1-2.0x at 32; at 64
+# the LM head 1.8x, the layers 0.8-1.2x, 11% less in all). Within the range a row's
+# sums run the same FMAs whatever the batch, so decode is batch-invariant up to 64
+# requests. Past 64 rows (prefill chunks) x no longer fits in a 512 KiB L2 beside the
+# weights, and MKL's blocking serves.
+LINEAR_F32_ROWS = (1, 64)
 
 
 def small_linear(
