@@ -19,12 +19,6 @@ weights are cycled through ~600 MB of copies so they come from memory, as in a
 decode step; best of 5 passes, the arms interleaved. One line per shape and row count
 (BENCHMARKS.md, tenth round).
 
-`python -m spur.kernels.bench_native --engine-linear [ROUNDS]`: the same choice in the
-engine, in one process: an offline fp32 `LLM` (prefix caching off, so every arm
-prefills) generates `spur bench engine`'s 64 prompts, 48 greedy tokens each, with the
-float32 native linear off, serving 1-32 rows, and serving 1-64 (LINEAR_F32_ROWS), arms
-alternating per round; one line per arm and round, with whether its tokens equal the
-first arm's (BENCHMARKS.md, eleventh round).
 """
 
 from __future__ import annotations
@@ -175,47 +169,8 @@ def linear(rows: list[int], dtypes: tuple[torch.dtype, ...] = native.DTYPES) -> 
             del ws
 
 
-def engine_linear(rounds: int = 2, max_tokens: int = 48) -> None:
-    """Engine A/B of `native.LINEAR_F32_ROWS` (see the docstring)."""
-    from spur.actors.llm import LLM
-    from spur.actors.step import SamplingParams
-    from spur.actors.worker.loader import resolve_model_dir
-    from spur.cluster.bench import engine
-
-    torch.set_num_threads(2)
-    model = "SmolLM2-135M-Instruct"
-    llm = LLM(model=model, dtype="float32", seed=0, enable_prefix_caching=False)
-    prompts, _, _ = engine.make_workload(
-        resolve_model_dir(model), num_requests=64, seed=0, quick=False
-    )
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
-    arms = {"off": (1, 0), "rows 1-32": (1, 32), "rows 1-64": (1, 64)}
-    served = native.LINEAR_F32_ROWS
-    first: list[list[int]] | None = None
-    try:
-        for i in range(rounds):
-            for arm in list(arms) if i % 2 == 0 else list(reversed(arms)):
-                native.LINEAR_F32_ROWS = arms[arm]
-                t = time.perf_counter()
-                outs = llm.generate(prompts, params)
-                elapsed = time.perf_counter() - t
-                tokens = [list(o.outputs[0].token_ids) for o in outs]
-                first = first or tokens
-                same = sum(a == b for a, b in zip(tokens, first, strict=True))
-                rate = sum(map(len, tokens)) / elapsed
-                print(
-                    f"round {i} {arm}: {rate:.2f} tokens/s, {same}/{len(tokens)} as the first arm"
-                )
-    finally:
-        native.LINEAR_F32_ROWS = served
-        llm.shutdown()
-
-
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--engine-linear":
-        engine_linear(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
-    elif len(sys.argv) > 1 and sys.argv[1] == "--linear":
+    if len(sys.argv) > 1 and sys.argv[1] == "--linear":
         linear([int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,2,4,8,16").split(",")])
     else:
         main()
