@@ -771,12 +771,12 @@ constexpr bool kSmallLinear = false;
 // with AVX2 + FMA but not AVX-512. There torch's float32 linear is MKL's sgemm, and on
 // the AVX2-only AMD EPYC of the tenth round (BENCHMARKS.md) it is slow exactly at
 // these sizes: 4 rows cost 3.7x one, a 16-row LM head reads its weights at 2.6 GB/s.
-// 64 rows of x (at most 393 KB at K = 1536) stay in a 512 KiB L2 beside the unit.
 // Here a unit is R = 3 weight rows, read once from memory (the next unit's rows
 // prefetched a cache line at a time) and kept in L1 while every chunk of up to 4 rows
 // of x passes over them: dot products along K, 4 x 3 lane vectors of sums (12 of the
 // 16 ymm registers), reduced with Vec256::sums. float32 throughout; the order of the
-// additions differs from MKL's, as MKL's own differs between row counts.
+// additions differs from MKL's, as MKL's own differs between row counts. 64 rows of x
+// (at most 393 KB at K = 1536) stay in a 512 KiB L2 beside the unit.
 #if defined(SPUR_AVX2) && !defined(SPUR_AVX512)
 constexpr bool kLinearF32 = true;
 
@@ -837,25 +837,34 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
 constexpr bool kLinearF32 = false;
 #endif
 
+// The checks both small-batch linears share: x [M, K] and weight [N, K] of `dtype`
+// with unit inner strides, K a multiple of `k_multiple`, 1 to `max_rows` rows, and an
+// optional contiguous bias [N] of `dtype`. Returns the bias's data, or nullptr.
+const void* check_small_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                               const char* dtype_name, int64_t k_multiple, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op,
+              ": x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == dtype && weight.scalar_type() == dtype, op, ": ", dtype_name,
+              " only");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, op, ": unit inner strides");
+  TORCH_CHECK(x.size(1) % k_multiple == 0, op, ": K must be a multiple of ", k_multiple);
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, op, ": 1 to ", max_rows, " rows");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() &&
+                  bias->numel() == weight.size(0),
+              op, ": bias [N] ", dtype_name);
+  return bias->data_ptr();
+}
+
 bool linear_f32_supported() { return kLinearF32; }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kLinearF32, "linear_f32: built for a CPU with AVX-512 or without AVX2");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "linear_f32: x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "linear_f32: float32 only");
-  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "linear_f32: unit inner strides");
-  TORCH_CHECK(x.size(1) % 8 == 0, "linear_f32: K must be a multiple of 8");
+  const auto* b = static_cast<const float*>(
+      check_small_linear("linear_f32", x, weight, bias, at::kFloat, "float32", 8, 64));
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= 64, "linear_f32: 1 to 64 rows");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "linear_f32: bias [N] float32");
-    b = bias->data_ptr<float>();
-  }
   auto y = at::empty({M, N}, x.options());
 #if defined(SPUR_AVX2) && !defined(SPUR_AVX512)
   linear_f32_typed(x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, N,
@@ -869,21 +878,9 @@ bool small_linear_supported() { return kSmallLinear; }
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kSmallLinear, "small_linear: built without AVX-512 BF16");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "small_linear: x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "small_linear: bfloat16 only");
-  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "small_linear: unit inner strides");
-  TORCH_CHECK(x.size(1) % 32 == 0, "small_linear: K must be a multiple of 32");
+  const auto* b = static_cast<const bf16*>(
+      check_small_linear("small_linear", x, weight, bias, at::kBFloat16, "bfloat16", 32, 4));
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= 4, "small_linear: 1 to 4 rows");
-  const bf16* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "small_linear: bias [N] bfloat16");
-    b = bias->data_ptr<bf16>();
-  }
   auto y = at::empty({M, N}, x.options());
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
   const bf16* xp = x.data_ptr<bf16>();
