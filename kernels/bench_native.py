@@ -13,8 +13,9 @@ round) quotes it.
 `python -m spur.kernels.bench_native --linear [ROWS,...]`: the linear layers of
 SmolLM2 (qkv, o, gate_up, down, LM head) at decode's row counts, torch's `F.linear`
 beside the native op `native.small_linear` dispatches to for the dtype (`linear_f32`
-for float32 on AVX2 builds without AVX-512, `small_linear` for bf16 on AVX-512 BF16),
-called directly so that row counts outside the dispatch range are measured too. The
+for float32 on AVX2 or AVX-512 builds, `small_linear` for bf16 on AVX-512 BF16),
+called directly so that row counts outside the dispatch range (and CPUs whose float32
+stays on MKL: native.linear_f32_serves) are measured too. The CPU's vendor is printed. The
 weights are cycled through ~600 MB of copies so they come from memory, as in a
 decode step; best of 5 passes, the arms interleaved. One line per shape and row count
 (BENCHMARKS.md, tenth round).
@@ -136,6 +137,12 @@ def linear(rows: list[int], dtypes: tuple[torch.dtype, ...] = native.DTYPES) -> 
     torch.set_num_threads(2)
     lib = native.ops()
     ops = {torch.float32: "linear_f32", torch.bfloat16: "small_linear"}
+    vendor = native.cpu_vendor()
+    print(
+        f"CPU vendor {vendor or 'unknown'}: float32 linears of {native.LINEAR_F32_ROWS} rows "
+        f"served by {'linear_f32' if native.linear_f32_serves(vendor) else 'MKL'}",
+        flush=True,
+    )
     for dtype in dtypes:
         op = ops[dtype]
         if lib is None or not native._built(lib, op):

@@ -204,6 +204,10 @@ struct Vec512 {
   static void store_first(float* p, T v, int32_t n) {
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), v);
   }
+  // the first n < W floats at p, the other lanes 0 (nothing past p + n is read)
+  static T load_first(const float* p, int32_t n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+  }
   // W bf16 values at src widened to float at dst (bf16 is float's upper half).
   static void widen(const bf16* src, float* dst) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
@@ -245,6 +249,10 @@ struct Vec256 {
     alignas(32) float tmp[8];
     _mm256_store_ps(tmp, v);
     for (int32_t j = 0; j < n; ++j) p[j] = tmp[j];
+  }
+  static T load_first(const float* p, int32_t n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
   }
   static void widen(const bf16* src, float* dst) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
@@ -768,47 +776,63 @@ constexpr bool kSmallLinear = false;
 // ----------------------------------------------------------------- small-batch fp32 linear
 //
 // y = x W^T (+ bias) in float32 for decode's row counts (1 to 64 rows of x), on CPUs
-// with AVX2 + FMA but not AVX-512. There torch's float32 linear is MKL's sgemm, and on
-// the AVX2-only AMD EPYC of the tenth round (BENCHMARKS.md) it is slow exactly at
-// these sizes: 4 rows cost 3.7x one, a 16-row LM head reads its weights at 2.6 GB/s.
-// Here a unit is R = 3 weight rows, read once from memory (the next unit's rows
-// prefetched a cache line at a time) and kept in L1 while every chunk of up to 4 rows
-// of x passes over them: dot products along K, 4 x 3 lane vectors of sums (12 of the
-// 16 ymm registers), reduced with Vec256::sums. float32 throughout; the order of the
-// additions differs from MKL's, as MKL's own differs between row counts. 64 rows of x
-// (at most 393 KB at K = 1536) stay in a 512 KiB L2 beside the unit.
-#if defined(SPUR_AVX2) && !defined(SPUR_AVX512)
+// with AVX2 + FMA or AVX-512. There torch's float32 linear is MKL's sgemm, and on the
+// AMD EPYCs of the tenth and twelfth rounds (BENCHMARKS.md; AVX2-only, and AVX-512
+// with AVX-512 BF16) it is slow exactly at these sizes: 4 rows cost 3.7x one, a
+// 16-row LM head reads its weights at 2.6 GB/s. Which CPUs use it is native.py's
+// choice. A unit is R weight rows (3 on AVX2, 4 on AVX-512), read once from memory
+// (the next unit's rows prefetched a cache line at a time) and kept in L1 while every
+// chunk of up to 4 rows of x passes over them: dot products along K, 4 x R lane
+// vectors of sums (12 of AVX2's 16 ymm registers, 16 of AVX-512's 32 zmm), reduced
+// with V::sums. A K that is not a multiple of the vector's width ends with a masked
+// load. float32 throughout; the order of the additions differs from MKL's, as MKL's
+// own differs between row counts. 64 rows of x (at most 393 KB at K = 1536) stay in
+// a 512 KiB L2 beside the unit.
+#ifdef SPUR_SIMD
 constexpr bool kLinearF32 = true;
+#ifdef SPUR_AVX512
+using LinearVec = Vec512;
+constexpr int kLinearR = 4;
+#else
+using LinearVec = Vec256;
+constexpr int kLinearR = 3;
+#endif
 
-template <int MC>
+template <class V, int R, int MC>
 inline void linear_f32_unit(const float* x, int64_t x_row, const float* w, int64_t w_row,
                             int rows, int64_t K, const float* bias, float* y, int64_t y_row,
                             const float* next, int64_t next_rows) {
-  constexpr int R = 3;
-  __m256 a[8 * 2];
-  for (int i = 0; i < 16; ++i) a[i] = _mm256_setzero_ps();
+  constexpr int W = V::W, NS = (4 * R + W - 1) / W;  // NS reductions of W sums each
+  typename V::T a[NS * W];
+  for (int i = 0; i < NS * W; ++i) a[i] = V::zero();
   const float* wr[R];
   for (int j = 0; j < R; ++j) wr[j] = w + (int64_t)std::min(j, rows - 1) * w_row;
-  for (int64_t k = 0; k < K; k += 8) {
+  auto step = [&](int64_t k, auto load) {
     if (next != nullptr && (k & 15) == 0)
       for (int j = 0; j < next_rows; ++j) __builtin_prefetch(next + j * w_row + k, 0, 3);
-    __m256 wv[R];
-    for (int j = 0; j < R; ++j) wv[j] = _mm256_loadu_ps(wr[j] + k);
+    typename V::T wv[R];
+    for (int j = 0; j < R; ++j) wv[j] = load(wr[j] + k);
     for (int m = 0; m < MC; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * x_row + k);
-      for (int j = 0; j < R; ++j) a[m * R + j] = _mm256_fmadd_ps(wv[j], xv, a[m * R + j]);
+      const typename V::T xv = load(x + m * x_row + k);
+      for (int j = 0; j < R; ++j) a[m * R + j] = V::fmadd(wv[j], xv, a[m * R + j]);
     }
+  };
+  int64_t k = 0;
+  for (; k + W <= K; k += W) step(k, [](const float* p) { return V::load(p); });
+  if (k < K) {
+    const int32_t n = (int32_t)(K - k);
+    step(k, [n](const float* p) { return V::load_first(p, n); });
   }
-  alignas(32) float out[16];
-  _mm256_store_ps(out, Vec256::sums(a));
-  _mm256_store_ps(out + 8, Vec256::sums(a + 8));
+  alignas(64) float out[NS * W];
+  for (int s = 0; s < NS; ++s) V::store(out + s * W, V::sums(a + s * W));
   for (int m = 0; m < MC; ++m)
     for (int j = 0; j < rows; ++j) y[m * y_row + j] = out[m * R + j] + (bias ? bias[j] : 0.0f);
 }
 
 void linear_f32_typed(const float* x, const float* w, const float* bias, float* y, int64_t M,
                       int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
-  constexpr int R = 3;
+  using V = LinearVec;
+  constexpr int R = kLinearR;
   const int64_t units = (N + R - 1) / R;
   at::parallel_for(0, units, 16, [&](int64_t ub, int64_t ue) {
     for (int64_t u = ub; u < ue; ++u) {
@@ -824,10 +848,10 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
         // the unit's rows are in L1 after the first chunk: prefetch only with it
         const float* nx = m0 == 0 ? next : nullptr;
         switch (std::min<int64_t>(4, M - m0)) {
-          case 1: linear_f32_unit<1>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
-          case 2: linear_f32_unit<2>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
-          case 3: linear_f32_unit<3>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
-          default: linear_f32_unit<4>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows);
+          case 1: linear_f32_unit<V, R, 1>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 2: linear_f32_unit<V, R, 2>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 3: linear_f32_unit<V, R, 3>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          default: linear_f32_unit<V, R, 4>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows);
         }
       }
     }
@@ -861,12 +885,12 @@ bool linear_f32_supported() { return kLinearF32; }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kLinearF32, "linear_f32: built for a CPU with AVX-512 or without AVX2");
+  TORCH_CHECK(kLinearF32, "linear_f32: built for a CPU without AVX2 + FMA or AVX-512");
   const auto* b = static_cast<const float*>(
       check_small_linear("linear_f32", x, weight, bias, at::kFloat, "float32", 8, 64));
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
-#if defined(SPUR_AVX2) && !defined(SPUR_AVX512)
+#ifdef SPUR_SIMD
   linear_f32_typed(x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, N,
                    K, x.stride(0), weight.stride(0));
 #endif

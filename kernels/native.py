@@ -5,8 +5,9 @@ small kernels (see its header): paged decode attention reading K/V in place thro
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
 AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
-weights at half the memory's rate), and a float32 linear for 1 to 64 rows on AVX2
-CPUs without AVX-512 (`linear_f32`: there MKL's sgemm is slow at these row counts).
+weights at half the memory's rate), and a float32 linear for 1 to 64 rows on CPUs
+other than Intel's (`linear_f32`, AVX2 or AVX-512: there MKL's sgemm is slow at
+these row counts).
 They are registered as `torch.ops.spur_cpu.*`
 (TORCH_LIBRARY, no pybind) and parallelised with `at::parallel_for`, i.e. on torch's
 own OpenMP team:
@@ -261,15 +262,41 @@ def decode_lanes(lib: Any) -> list[int]:
 # requests); torch's matmul serves larger batches, where AMX tiles pay off. The op
 # refuses more than 4 (cpu_ops.cpp): raise both together.
 SMALL_LINEAR_MAX_ROWS = 4
-# Rows of x for which `small_linear` serves a float32 linear on an AVX2 CPU without
-# AVX-512 (the op `linear_f32`, which refuses more than 64): there MKL's sgemm is slow
-# at decode's row counts (BENCHMARKS.md, eleventh round, SmolLM2's shapes on a quiet
-# EPYC: 1.4-2.3x at one row, 2.6-4.8x at 2-4, 1.6-3.2x at 8-16, 1.1-2.0x at 32; at 64
-# the LM head 1.8x, the layers 0.8-1.2x, 11% less in all). Within the range a row's
+# Rows of x for which `small_linear` serves a float32 linear on a CPU where
+# `linear_f32_serves` (the op `linear_f32`, which refuses more than 64): there MKL's
+# sgemm is slow at decode's row counts (BENCHMARKS.md, SmolLM2's shapes, quiet:
+# eleventh round, AVX2-only EPYC: 1.4-2.3x at one row, 2.6-4.8x at 2-4, 1.6-3.2x at
+# 8-16, 1.1-2.0x at 32; at 64 the LM head 1.8x, the layers 0.8-1.2x; twelfth round,
+# EPYC with AVX-512: 1.5-4.7x at every row count up to 64). Within the range a row's
 # sums run the same FMAs whatever the batch, so decode is batch-invariant up to 64
 # requests. Past 64 rows (prefill chunks) x no longer fits in a 512 KiB L2 beside the
 # weights, and MKL's blocking serves.
 LINEAR_F32_ROWS = (1, 64)
+
+# MKL is Intel's library: on Intel CPUs it takes its tuned kernels (the Xeon rounds
+# measured its float32 linear there), on others generic ones, slow at decode's sizes.
+MKL_TUNED_VENDORS = ("GenuineIntel",)
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor_id from /proc/cpuinfo (or the given text); "" if unknown."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def linear_f32_serves(vendor: str) -> bool:
+    """Whether `small_linear` sends float32 linears of LINEAR_F32_ROWS rows to
+    `linear_f32` (where the build has it) on a CPU of this vendor: every vendor but
+    those MKL is tuned for, whose sgemm keeps them."""
+    return vendor not in MKL_TUNED_VENDORS
 
 
 def small_linear(
@@ -281,7 +308,7 @@ def small_linear(
     - bfloat16, 1 to SMALL_LINEAR_MAX_ROWS rows of x, in-features a multiple of 32, on
       builds with AVX-512 BF16 (`small_linear`: bf16 dot products, one rounding);
     - float32, LINEAR_F32_ROWS rows, in-features a multiple of 8, on builds with AVX2
-      and without AVX-512 (`linear_f32`).
+      or AVX-512, on a CPU where `linear_f32_serves` (`linear_f32`).
 
     Otherwise (other dtypes, devices or row counts, strided inputs, another CPU, no
     extension) None. x: [..., K]; weight: [N, K]; bias: [N] or None, all of x's
@@ -291,7 +318,7 @@ def small_linear(
         return None
     if x.dtype == torch.bfloat16:
         op, (lo, hi), multiple = "small_linear", (1, SMALL_LINEAR_MAX_ROWS), 32
-    elif x.dtype == torch.float32:
+    elif x.dtype == torch.float32 and _linear_f32_here():
         op, (lo, hi), multiple = "linear_f32", LINEAR_F32_ROWS, 8
     else:
         return None
@@ -321,6 +348,21 @@ def torch_linears() -> Iterator[None]:
         yield
     finally:
         _state["torch_linears"] = before
+
+
+def _linear_f32_here() -> bool:
+    """linear_f32_serves for this machine's CPU, read once and logged."""
+    here = _state.get("linear_f32_here")
+    if here is None:
+        vendor = cpu_vendor()
+        here = _state["linear_f32_here"] = linear_f32_serves(vendor)
+        logger.info(
+            "float32 linears of %d to %d rows: %s (CPU vendor %s)",
+            *LINEAR_F32_ROWS,
+            "spur's linear_f32 where built" if here else "MKL's sgemm",
+            vendor or "unknown",
+        )
+    return here
 
 
 def _built(lib: Any, op: str) -> bool:

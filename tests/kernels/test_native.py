@@ -357,7 +357,6 @@ def test_small_linear_keeps_leading_dims_and_leaves_other_cases_to_torch():
     got = native.small_linear(x, w)
     assert got is not None and got.shape == (1, 2, 8)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
-    assert native.small_linear(x.float(), w.float()) is None  # float32 on AVX-512: MKL
     many = torch.randn(native.SMALL_LINEAR_MAX_ROWS + 1, 64).to(torch.bfloat16)
     assert native.small_linear(many, w) is None  # a batch: AMX tiles
     assert native.small_linear(x[..., :48], w[:, :48]) is None  # K not a multiple of 32
@@ -370,20 +369,38 @@ def test_small_linear_is_off_with_the_native_ops(monkeypatch):
     assert native.small_linear(x, w) is None
 
 
-def _linear_f32_lib():
+def _linear_f32_lib(monkeypatch):
+    """The build's ops, with small_linear sending float32 to linear_f32 whatever the CPU's
+    vendor (the choice itself: test_linear_f32_serves_every_vendor_but_intel)."""
     lib = native.build()
     if not lib.linear_f32_supported():
-        pytest.skip("linear_f32 serves CPUs with AVX2 and without AVX-512; this is another")
+        pytest.skip("linear_f32 needs AVX2 + FMA or AVX-512; this CPU has neither")
+    monkeypatch.setitem(native._state, "linear_f32_here", True)
     return lib
+
+
+def test_linear_f32_serves_every_vendor_but_intel(monkeypatch):
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: avx2 avx512f\n"
+    assert native.cpu_vendor(amd) == "AuthenticAMD" and native.linear_f32_serves("AuthenticAMD")
+    assert native.cpu_vendor("vendor_id : GenuineIntel") == "GenuineIntel"
+    assert not native.linear_f32_serves("GenuineIntel")  # MKL's tuned sgemm keeps it
+    assert native.cpu_vendor("flags : neon") == "" and native.linear_f32_serves("")
+    lib = native.build()
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    monkeypatch.setitem(native._state, "linear_f32_here", False)
+    assert native.small_linear(x, w) is None  # an Intel CPU: torch's F.linear
+    monkeypatch.setitem(native._state, "linear_f32_here", True)
+    assert (native.small_linear(x, w) is not None) == bool(lib.linear_f32_supported())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 16, 33, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (17, 64), (100, 576), (7, 1544)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bias):
+def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bias, monkeypatch):
     """Against float64 math and F.linear, within float32 summation error (row chunks
-    of 4, units of 3 weight rows with a partial last one, K of one to 193 vectors)."""
-    _linear_f32_lib()
+    of 4, units of 3 (AVX2) or 4 (AVX-512) weight rows with a partial last one, K of
+    one to 193 vectors; on AVX-512, K = 8 and 1544 end with a masked half vector)."""
+    _linear_f32_lib(monkeypatch)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
     w = torch.randn(out_features, in_features, generator=gen)
@@ -396,8 +413,8 @@ def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bi
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch():
-    lib = _linear_f32_lib()
+def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch(monkeypatch):
+    lib = _linear_f32_lib(monkeypatch)
     w = torch.randn(8, 64)
     x = torch.randn(2, 3, 64)
     got = native.small_linear(x, w)
