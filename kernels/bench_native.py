@@ -139,7 +139,7 @@ def linear(rows: list[int], dtypes: tuple[torch.dtype, ...] = native.DTYPES) -> 
     ops = {torch.float32: "linear_f32", torch.bfloat16: "small_linear"}
     vendor = native.cpu_vendor()
     print(
-        f"CPU vendor {vendor or 'unknown'}: float32 linears of {native.LINEAR_F32_ROWS} rows "
+        f"CPU vendor {vendor or 'unknown'}: float32 linears "
         f"served by {'linear_f32' if native.linear_f32_serves(vendor) else 'MKL'}",
         flush=True,
     )

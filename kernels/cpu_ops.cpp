@@ -775,8 +775,8 @@ constexpr bool kSmallLinear = false;
 
 // ----------------------------------------------------------------- small-batch fp32 linear
 //
-// y = x W^T (+ bias) in float32 for decode's row counts (1 to 64 rows of x), on CPUs
-// with AVX2 + FMA or AVX-512. There torch's float32 linear is MKL's sgemm, and on the
+// y = x W^T (+ bias) in float32, on CPUs with AVX2 + FMA or AVX-512. Decode's row
+// counts (1 to 64 rows of x) take the units below, more rows the packed GEMM after them. There torch's float32 linear is MKL's sgemm, and on the
 // AMD EPYCs of the tenth and twelfth rounds (BENCHMARKS.md; AVX2-only, and AVX-512
 // with AVX-512 BF16) it is slow exactly at these sizes: 4 rows cost 3.7x one, a
 // 16-row LM head reads its weights at 2.6 GB/s. Which CPUs use it is native.py's
@@ -790,6 +790,8 @@ constexpr bool kSmallLinear = false;
 // a 512 KiB L2 beside the unit.
 #ifdef SPUR_SIMD
 constexpr bool kLinearF32 = true;
+// more rows: linear_f32_packed (native.LINEAR_F32_UNIT_ROWS: change both together)
+constexpr int64_t kLinearF32UnitRows = 64;
 #ifdef SPUR_AVX512
 using LinearVec = Vec512;
 constexpr int kLinearR = 4;
@@ -857,6 +859,82 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
     }
   });
 }
+
+// Past 64 rows (prefill chunks) the units above run out of L2 for x, and MKL's sgemm
+// is as slow on AMD (about 180 GFLOP/s on two Zen 5 cores at 2048 rows, well under
+// half their FMA peak). This is the textbook register-blocked GEMM: a panel of 2 x W
+// columns of y (32 on AVX-512, 16 on AVX2) has its weight rows packed k-major into an
+// L2 buffer ([K][2W], zeros past N), once per panel; tiles of MR rows of x by the
+// panel keep their MR x 2 accumulators in registers (24 zmm of 32, 12 ymm of 16) and
+// per k add two weight vectors times one broadcast x element per row, for every tile
+// of x (read in place, from L2 / L3). The bias seeds the accumulators. float32
+// throughout; the order of the additions along K is the plain one. (Walking x in
+// L2-sized chunks instead, with each panel packed again per chunk, was 3x slower at
+// K = 1536: the packing's transposing writes cost more than the chunk's FMAs.)
+constexpr int kPackMR = LinearVec::W == 16 ? 12 : 6;
+
+template <class V, int MR>
+inline void gemm_f32_tile(const float* x, int64_t x_row, int rows, const float* bp,
+                          const float* bias_p, int64_t K, float* y, int64_t y_row, int cols) {
+  constexpr int W = V::W;
+  typename V::T c[2 * MR];
+  const typename V::T b0 = V::load(bias_p), b1 = V::load(bias_p + W);
+  for (int i = 0; i < MR; ++i) c[2 * i] = b0, c[2 * i + 1] = b1;
+  const float* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = x + (int64_t)std::min(i, rows - 1) * x_row;
+  for (int64_t k = 0; k < K; ++k, bp += 2 * W) {
+    const typename V::T w0 = V::load(bp), w1 = V::load(bp + W);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const typename V::T a = V::set1(xr[i][k]);
+      c[2 * i] = V::fmadd(a, w0, c[2 * i]);
+      c[2 * i + 1] = V::fmadd(a, w1, c[2 * i + 1]);
+    }
+  }
+  // constant indices into c (a loop to `rows` would keep c on the stack in the k loop)
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    if (i >= rows) break;
+    if (cols == 2 * W) {
+      V::store(y + i * y_row, c[2 * i]);
+      V::store(y + i * y_row + W, c[2 * i + 1]);
+    } else {
+      alignas(64) float out[2 * W];
+      V::store(out, c[2 * i]);
+      V::store(out + W, c[2 * i + 1]);
+      for (int j = 0; j < cols; ++j) y[i * y_row + j] = out[j];
+    }
+  }
+}
+
+void linear_f32_packed(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                       int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
+  using V = LinearVec;
+  constexpr int MR = kPackMR, PW = 2 * V::W;
+  const int64_t panels = (N + PW - 1) / PW;
+  at::parallel_for(0, panels, 1, [&](int64_t pb, int64_t pe) {
+    std::vector<float> packed((size_t)K * PW);
+    alignas(64) float bias_p[PW];
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * PW;
+      const int cols = (int)std::min<int64_t>(PW, N - n0);
+      float* bp = packed.data();
+      for (int j = 0; j < PW; ++j) {
+        bias_p[j] = j < cols && bias ? bias[n0 + j] : 0.0f;
+        if (j < cols) {
+          const float* wr = w + (n0 + j) * w_row;
+          for (int64_t k = 0; k < K; ++k) bp[k * PW + j] = wr[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) bp[k * PW + j] = 0.0f;
+        }
+      }
+      for (int64_t m = 0; m < M; m += MR) {
+        const int rows = (int)std::min<int64_t>(MR, M - m);
+        gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N + n0, N, cols);
+      }
+    }
+  });
+}
 #else
 constexpr bool kLinearF32 = false;
 #endif
@@ -873,7 +951,8 @@ const void* check_small_linear(const char* op, const at::Tensor& x, const at::Te
               " only");
   TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, op, ": unit inner strides");
   TORCH_CHECK(x.size(1) % k_multiple == 0, op, ": K must be a multiple of ", k_multiple);
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, op, ": 1 to ", max_rows, " rows");
+  TORCH_CHECK(x.size(0) >= 1, op, ": at least one row of x");
+  TORCH_CHECK(x.size(0) <= max_rows, op, ": 1 to ", max_rows, " rows");
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() &&
                   bias->numel() == weight.size(0),
@@ -887,12 +966,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kLinearF32, "linear_f32: built for a CPU without AVX2 + FMA or AVX-512");
   const auto* b = static_cast<const float*>(
-      check_small_linear("linear_f32", x, weight, bias, at::kFloat, "float32", 8, 64));
+      check_small_linear("linear_f32", x, weight, bias, at::kFloat, "float32", 8, INT64_MAX));
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
 #ifdef SPUR_SIMD
-  linear_f32_typed(x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, N,
-                   K, x.stride(0), weight.stride(0));
+  (M <= kLinearF32UnitRows ? linear_f32_typed : linear_f32_packed)(
+      x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K,
+      x.stride(0), weight.stride(0));
 #endif
   return y;
 }

@@ -262,16 +262,16 @@ def decode_lanes(lib: Any) -> list[int]:
 # requests); torch's matmul serves larger batches, where AMX tiles pay off. The op
 # refuses more than 4 (cpu_ops.cpp): raise both together.
 SMALL_LINEAR_MAX_ROWS = 4
-# Rows of x for which `small_linear` serves a float32 linear on a CPU where
-# `linear_f32_serves` (the op `linear_f32`, which refuses more than 64): there MKL's
-# sgemm is slow at decode's row counts (BENCHMARKS.md, SmolLM2's shapes, quiet:
-# eleventh round, AVX2-only EPYC: 1.4-2.3x at one row, 2.6-4.8x at 2-4, 1.6-3.2x at
-# 8-16, 1.1-2.0x at 32; at 64 the LM head 1.8x, the layers 0.8-1.2x; twelfth round,
-# EPYC with AVX-512: 1.5-4.7x at every row count up to 64). Within the range a row's
-# sums run the same FMAs whatever the batch, so decode is batch-invariant up to 64
-# requests. Past 64 rows (prefill chunks) x no longer fits in a 512 KiB L2 beside the
-# weights, and MKL's blocking serves.
-LINEAR_F32_ROWS = (1, 64)
+# Rows of x up to which `linear_f32` runs its decode path (units of weight rows read
+# once for every row of x; more rows: a register-blocked GEMM over packed panels, for
+# prefill chunks). `small_linear` sends it float32 linears of any row count on a CPU
+# where `linear_f32_serves`: there MKL's sgemm is slow (BENCHMARKS.md, SmolLM2's
+# shapes, quiet: eleventh round, AVX2-only EPYC: 1.4-2.3x at one row, 2.6-4.8x at 2-4,
+# 1.6-3.2x at 8-16, 1.1-2.0x at 32; twelfth round, EPYC with AVX-512: 1.5-4.7x up to
+# 64 rows, 1.1-1.6x at 65, 2.2x at 2048). Within 1 to 64 rows a row's sums run the
+# same FMAs whatever the batch, so decode is batch-invariant up to 64 requests. The
+# op's own constant (cpu_ops.cpp, kLinearF32UnitRows): change both together.
+LINEAR_F32_UNIT_ROWS = 64
 
 # MKL is Intel's library: on Intel CPUs it takes its tuned kernels (the Xeon rounds
 # measured its float32 linear there), on others generic ones, slow at decode's sizes.
@@ -293,9 +293,9 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
 
 
 def linear_f32_serves(vendor: str) -> bool:
-    """Whether `small_linear` sends float32 linears of LINEAR_F32_ROWS rows to
-    `linear_f32` (where the build has it) on a CPU of this vendor: every vendor but
-    those MKL is tuned for, whose sgemm keeps them."""
+    """Whether `small_linear` sends float32 linears to `linear_f32` (where the build
+    has it) on a CPU of this vendor: every vendor but those MKL is tuned for, whose
+    sgemm keeps them."""
     return vendor not in MKL_TUNED_VENDORS
 
 
@@ -307,7 +307,7 @@ def small_linear(
 
     - bfloat16, 1 to SMALL_LINEAR_MAX_ROWS rows of x, in-features a multiple of 32, on
       builds with AVX-512 BF16 (`small_linear`: bf16 dot products, one rounding);
-    - float32, LINEAR_F32_ROWS rows, in-features a multiple of 8, on builds with AVX2
+    - float32, any number of rows, in-features a multiple of 8, on builds with AVX2
       or AVX-512, on a CPU where `linear_f32_serves` (`linear_f32`).
 
     Otherwise (other dtypes, devices or row counts, strided inputs, another CPU, no
@@ -319,12 +319,12 @@ def small_linear(
     if x.dtype == torch.bfloat16:
         op, (lo, hi), multiple = "small_linear", (1, SMALL_LINEAR_MAX_ROWS), 32
     elif x.dtype == torch.float32 and _linear_f32_here():
-        op, (lo, hi), multiple = "linear_f32", LINEAR_F32_ROWS, 8
+        op, (lo, hi), multiple = "linear_f32", (1, None), 8
     else:
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not lo <= rows <= hi or k % multiple or weight.stride(-1) != 1:
+    if rows < lo or (hi is not None and rows > hi) or k % multiple or weight.stride(-1) != 1:
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
@@ -357,8 +357,7 @@ def _linear_f32_here() -> bool:
         vendor = cpu_vendor()
         here = _state["linear_f32_here"] = linear_f32_serves(vendor)
         logger.info(
-            "float32 linears of %d to %d rows: %s (CPU vendor %s)",
-            *LINEAR_F32_ROWS,
+            "float32 linears: %s (CPU vendor %s)",
             "spur's linear_f32 where built" if here else "MKL's sgemm",
             vendor or "unknown",
         )

@@ -393,13 +393,16 @@ def test_linear_f32_serves_every_vendor_but_intel(monkeypatch):
     assert (native.small_linear(x, w) is not None) == bool(lib.linear_f32_supported())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 16, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 16, 33, 64, 65, 100, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (17, 64), (100, 576), (7, 1544)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bias, monkeypatch):
-    """Against float64 math and F.linear, within float32 summation error (row chunks
-    of 4, units of 3 (AVX2) or 4 (AVX-512) weight rows with a partial last one, K of
-    one to 193 vectors; on AVX-512, K = 8 and 1544 end with a masked half vector)."""
+    """Against float64 math and F.linear, within float32 summation error. Up to 64 rows
+    (native.LINEAR_F32_UNIT_ROWS): row chunks of 4, units of 3 (AVX2) or 4 (AVX-512)
+    weight rows with a partial last one, K of one to 193 vectors; on AVX-512, K = 8 and
+    1544 end with a masked half vector. Past it (65, 100, 300): the packed GEMM's
+    tiles of 6 or 12 rows with a partial last one, panels of 16 or 32 columns with a
+    partial one (17, 100) or only part of one (1, 7)."""
     _linear_f32_lib(monkeypatch)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -420,14 +423,16 @@ def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch(monkeypat
     got = native.small_linear(x, w)
     assert got is not None and got.shape == (2, 3, 8)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
-    lo, hi = native.LINEAR_F32_ROWS
-    assert lo == 1 and native.small_linear(torch.randn(0, 64), w) is None  # no rows: torch
-    assert native.small_linear(torch.randn(hi + 1, 64), w) is None  # a batch: MKL's GEMM
+    assert native.small_linear(torch.randn(0, 64), w) is None  # no rows: torch
+    chunk = torch.randn(native.LINEAR_F32_UNIT_ROWS + 1, 64)  # a prefill chunk: packed GEMM
+    torch.testing.assert_close(
+        native.small_linear(chunk, w), torch.nn.functional.linear(chunk, w), atol=1e-4, rtol=1e-5
+    )
     assert native.small_linear(x[..., :60], w[:, :60]) is None  # K not a multiple of 8
     assert native.small_linear(x, w.T.contiguous().T) is None  # weight not row-major
     assert native.small_linear(x, w.to(torch.bfloat16)) is None  # mixed dtypes
     with native.torch_linears():  # the engine bench's ceiling: transformers' path
         assert native.small_linear(x, w) is None
     assert native.small_linear(x, w) is not None
-    with pytest.raises(RuntimeError, match="1 to 64 rows"):
-        lib.linear_f32(torch.randn(65, 64), w, None)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        lib.linear_f32(torch.randn(0, 64), w, None)
