@@ -14,8 +14,8 @@ round) quotes it.
 SmolLM2 (qkv, o, gate_up, down, LM head) at decode's row counts, torch's `F.linear`
 beside the native op `native.small_linear` dispatches to for the dtype (`linear_f32`
 for float32 on AVX2 or AVX-512 builds, `small_linear` for bf16 on AVX-512 BF16),
-called directly so that row counts outside the dispatch range (and CPUs whose float32
-stays on MKL: native.linear_f32_serves) are measured too. The CPU's vendor is printed. The
+called directly, so that it is measured also where float32 stays on MKL
+(native.linear_f32_serves; the first line names the CPU's vendor). The
 weights are cycled through ~600 MB of copies so they come from memory, as in a
 decode step; best of 5 passes, the arms interleaved. One line per shape and row count
 (BENCHMARKS.md, tenth round).

@@ -776,11 +776,11 @@ constexpr bool kSmallLinear = false;
 // ----------------------------------------------------------------- small-batch fp32 linear
 //
 // y = x W^T (+ bias) in float32, on CPUs with AVX2 + FMA or AVX-512. Decode's row
-// counts (1 to 64 rows of x) take the units below, more rows the packed GEMM after them. There torch's float32 linear is MKL's sgemm, and on the
-// AMD EPYCs of the tenth and twelfth rounds (BENCHMARKS.md; AVX2-only, and AVX-512
-// with AVX-512 BF16) it is slow exactly at these sizes: 4 rows cost 3.7x one, a
-// 16-row LM head reads its weights at 2.6 GB/s. Which CPUs use it is native.py's
-// choice. A unit is R weight rows (3 on AVX2, 4 on AVX-512), read once from memory
+// counts (1 to 64 rows of x) take the units below, more rows the packed GEMM after
+// them. There torch's float32 linear is MKL's sgemm, and on the AMD EPYCs of the tenth
+// and twelfth rounds (BENCHMARKS.md; AVX2-only, and AVX-512 with AVX-512 BF16) it is
+// slow exactly at these sizes: 4 rows cost 3.7x one, a 16-row LM head reads its
+// weights at 2.6 GB/s. Which CPUs use it is native.py's choice. A unit is R weight rows (3 on AVX2, 4 on AVX-512), read once from memory
 // (the next unit's rows prefetched a cache line at a time) and kept in L1 while every
 // chunk of up to 4 rows of x passes over them: dot products along K, 4 x R lane
 // vectors of sums (12 of AVX2's 16 ymm registers, 16 of AVX-512's 32 zmm), reduced
@@ -861,7 +861,7 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
 }
 
 // Past 64 rows (prefill chunks) the units above run out of L2 for x, and MKL's sgemm
-// is as slow on AMD (about 180 GFLOP/s on two Zen 5 cores at 2048 rows, well under
+// is as slow on AMD (about 190 GFLOP/s on two Zen 5 cores at 2048 rows, well under
 // half their FMA peak). This is the textbook register-blocked GEMM: a panel of 2 x W
 // columns of y (32 on AVX-512, 16 on AVX2) has its weight rows packed k-major into an
 // L2 buffer ([K][2W], zeros past N), once per panel; tiles of MR rows of x by the

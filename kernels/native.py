@@ -5,9 +5,9 @@ small kernels (see its header): paged decode attention reading K/V in place thro
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
 AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
-weights at half the memory's rate), and a float32 linear for 1 to 64 rows on CPUs
-other than Intel's (`linear_f32`, AVX2 or AVX-512: there MKL's sgemm is slow at
-these row counts).
+weights at half the memory's rate), and a float32 linear for any number of rows on
+CPUs other than Intel's (`linear_f32`, AVX2 or AVX-512: there MKL's sgemm is slow,
+most at decode's row counts).
 They are registered as `torch.ops.spur_cpu.*`
 (TORCH_LIBRARY, no pybind) and parallelised with `at::parallel_for`, i.e. on torch's
 own OpenMP team:
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -319,12 +320,12 @@ def small_linear(
     if x.dtype == torch.bfloat16:
         op, (lo, hi), multiple = "small_linear", (1, SMALL_LINEAR_MAX_ROWS), 32
     elif x.dtype == torch.float32 and _linear_f32_here():
-        op, (lo, hi), multiple = "linear_f32", (1, None), 8
+        op, (lo, hi), multiple = "linear_f32", (1, math.inf), 8
     else:
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if rows < lo or (hi is not None and rows > hi) or k % multiple or weight.stride(-1) != 1:
+    if not lo <= rows <= hi or k % multiple or weight.stride(-1) != 1:
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
