@@ -724,53 +724,88 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
 
 // ----------------------------------------------------------------- small-batch bf16 linear
 //
-// y = x W^T (+ bias) for a few rows of x (decode steps of 1 to 4 requests), bf16 in,
-// bf16 out, float32 accumulation. torch's bf16 matmul (oneDNN's AMX brgemm) reads the
-// weights at about 14 GB/s for one row of x, half the rate of its float32 GEMV, so a
-// bf16 model decoded one request at a time was no faster than float32. Here each
-// weight row is read once for all M rows of x with AVX-512 BF16 dot products (exact
-// bf16 products, float32 sums; vdpbf16ps flushes denormal inputs and results to zero:
-// the order differs from oneDNN's, the rounding to bf16 happens once at the end as
-// there). M's bound, 4, is native.SMALL_LINEAR_MAX_ROWS: change both together. R = 16 / M weight rows per unit, so that the
-// M x R dot products' lane vectors go through one Vec512::sums.
+// y = x W^T (+ bias) for decode's row counts (1 to 64 rows of x), bf16 in, bf16 out,
+// float32 accumulation. torch's bf16 matmul (oneDNN's brgemm) reads the weights at
+// 12-24 GB/s at these sizes, so a bf16 model decoded a few requests at a time was no
+// faster than float32. Here each weight row is read once for all M rows of x with
+// AVX-512 BF16 dot products (exact bf16 products, float32 sums; vdpbf16ps flushes
+// denormal inputs and results to zero: the order differs from oneDNN's, the rounding
+// to bf16 happens once at the end as there). 1 to 4 rows: one chunk of M rows against
+// units of 16 / M weight rows; more: chunks of 4 rows against units of 4, so the M x R
+// dot products' lane vectors always go through one Vec512::sums. Up to which row
+// count it serves is native.bf16_linear_rows()'s choice, by CPU.
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
 constexpr bool kSmallLinear = true;
+// native.SMALL_LINEAR_OP_ROWS: change both together
+constexpr int64_t kSmallLinearMaxRows = 64;
 
-template <int M>
-void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
-                        int64_t K, int64_t x_row, int64_t w_row) {
-  constexpr int R = 16 / M;
+// One unit: R weight rows against MC rows of x (MC x R <= 16 lane vectors of sums,
+// reduced with one Vec512::sums). Rows past the weight's end (rows < R) read its last
+// row again and are not stored, so R stays a constant and the loops unroll. With
+// `next`, the next unit's rows are prefetched a cache line (32 bf16) per k-step.
+template <int MC, int R>
+inline void small_linear_unit(const bf16* x, int64_t x_row, const bf16* w, int64_t w_row,
+                              int rows, int64_t K, const bf16* bias, bf16* y, int64_t y_row,
+                              const bf16* next, int next_rows) {
+  constexpr int NS = (MC * R + 15) / 16;  // Vec512::sums of 16 lane vectors each
+  static_assert(NS <= 2, "at most 32 lane vectors of sums");
+  __m512 a[NS * 16];
+  for (int i = 0; i < NS * 16; ++i) a[i] = _mm512_setzero_ps();
+  const bf16* wr[R];
+  for (int j = 0; j < R; ++j) wr[j] = w + (int64_t)std::min(j, rows - 1) * w_row;
+  for (int64_t k = 0; k < K; k += 32) {
+    if (next != nullptr)
+      for (int j = 0; j < next_rows; ++j) __builtin_prefetch(next + j * w_row + k, 0, 3);
+    __m512bh wv[R];
+    for (int j = 0; j < R; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr[j] + k));
+    for (int m = 0; m < MC; ++m) {
+      const __m512bh xv =
+          (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * x_row + k));
+      for (int j = 0; j < R; ++j) a[m * R + j] = _mm512_dpbf16_ps(a[m * R + j], wv[j], xv);
+    }
+  }
+  alignas(64) float out[NS * 16];
+  for (int s = 0; s < NS; ++s) _mm512_store_ps(out + s * 16, Vec512::sums(a + s * 16));
+  for (int m = 0; m < MC; ++m)
+    for (int j = 0; j < rows; ++j)
+      y[m * y_row + j] = from_f<bf16>(out[m * R + j] + (bias ? to_f(bias[j]) : 0.0f));
+}
+
+// Units of R weight rows, each read from memory once and kept in L1 while every chunk
+// of MC rows of x passes over it (the chunk of the last rows may be shorter: MT).
+template <int MC, int R>
+void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
+                        int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
   const int64_t units = (N + R - 1) / R;
   at::parallel_for(0, units, 8, [&](int64_t ub, int64_t ue) {
-    alignas(64) float out[16];
     for (int64_t u = ub; u < ue; ++u) {
       const int64_t n0 = u * R;
       const int rows = (int)std::min<int64_t>(R, N - n0);
-      __m512 a[16];
-      for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 32) {
-        __m512bh xv[M];
-        for (int m = 0; m < M; ++m)
-          xv[m] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * x_row + k));
-        for (int j = 0; j < rows; ++j) {
-          const bf16* wr = w + (n0 + j) * w_row + k;
-          // the same cache line of the next unit's row: one unit (R rows) ahead
-          if (n0 + R + j < N) __builtin_prefetch(wr + R * w_row, 0, 3);
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr));
-          for (int m = 0; m < M; ++m) a[m * R + j] = _mm512_dpbf16_ps(a[m * R + j], wv, xv[m]);
+      const bf16* wu = w + n0 * w_row;
+      const bf16* next = u + 1 < ue ? wu + R * w_row : nullptr;
+      const int next_rows = next ? (int)std::min<int64_t>(R, N - n0 - R) : 0;
+      const bf16* bu = bias ? bias + n0 : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const bf16* xm = x + m0 * x_row;
+        bf16* ym = y + m0 * N + n0;
+        // the unit's rows are in L1 after the first chunk: prefetch only with it
+        const bf16* nx = m0 == 0 ? next : nullptr;
+        switch (std::min<int64_t>(MC, M - m0)) {
+          case 1: small_linear_unit<1, R>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 2: small_linear_unit<std::min(2, MC), R>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 3: small_linear_unit<std::min(3, MC), R>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 4: small_linear_unit<std::min(4, MC), R>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          case 5: small_linear_unit<std::min(5, MC), R>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows); break;
+          default: small_linear_unit<MC, R>(xm, x_row, wu, w_row, rows, K, bu, ym, N, nx, next_rows);
         }
       }
-      _mm512_store_ps(out, Vec512::sums(a));
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < rows; ++j) {
-          const float b = bias ? to_f(bias[n0 + j]) : 0.0f;
-          y[m * N + n0 + j] = from_f<bf16>(out[m * R + j] + b);
-        }
     }
   });
 }
 #else
 constexpr bool kSmallLinear = false;
+constexpr int64_t kSmallLinearMaxRows = 0;
 #endif
 
 // ----------------------------------------------------------------- small-batch fp32 linear
@@ -983,7 +1018,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kSmallLinear, "small_linear: built without AVX-512 BF16");
   const auto* b = static_cast<const bf16*>(
-      check_small_linear("small_linear", x, weight, bias, at::kBFloat16, "bfloat16", 32, 4));
+      check_small_linear("small_linear", x, weight, bias, at::kBFloat16, "bfloat16", 32,
+                         kSmallLinearMaxRows));
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
@@ -991,11 +1027,13 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
   const bf16* wp = weight.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t xr = x.stride(0), wr = weight.stride(0);
+  // 1 to 4 rows: one chunk, 16 / M weight rows a unit; more: chunks of 4 rows, 4 a unit
   switch (M) {
-    case 1: small_linear_typed<1>(xp, wp, b, yp, N, K, xr, wr); break;
-    case 2: small_linear_typed<2>(xp, wp, b, yp, N, K, xr, wr); break;
-    case 3: small_linear_typed<3>(xp, wp, b, yp, N, K, xr, wr); break;
-    default: small_linear_typed<4>(xp, wp, b, yp, N, K, xr, wr); break;
+    case 1: small_linear_typed<1, 16>(xp, wp, b, yp, M, N, K, xr, wr); break;
+    case 2: small_linear_typed<2, 8>(xp, wp, b, yp, M, N, K, xr, wr); break;
+    case 3: small_linear_typed<3, 5>(xp, wp, b, yp, M, N, K, xr, wr); break;
+    case 4: small_linear_typed<4, 4>(xp, wp, b, yp, M, N, K, xr, wr); break;
+    default: small_linear_typed<6, 4>(xp, wp, b, yp, M, N, K, xr, wr); break;
   }
 #endif
   return y;

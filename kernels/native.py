@@ -3,9 +3,9 @@
 `cpu_ops.cpp` holds the ops of the CPU serving path that torch composes from many
 small kernels (see its header): paged decode attention reading K/V in place through
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
-with the KV store, and a bf16 linear for decode steps of 1 to 4 rows (`small_linear`:
-AVX-512 BF16 dot products, each weight row read once; torch's bf16 GEMV reads its
-weights at half the memory's rate), and a float32 linear for any number of rows on
+with the KV store, and a bf16 linear for decode steps of up to 16 rows (`small_linear`:
+AVX-512 BF16 dot products, each weight row read once; torch's bf16 matmul reads its
+weights at half the memory's rate at these sizes), and a float32 linear for any number of rows on
 CPUs other than Intel's (`linear_f32`, AVX2 or AVX-512: there MKL's sgemm is slow,
 most at decode's row counts).
 They are registered as `torch.ops.spur_cpu.*`
@@ -40,7 +40,7 @@ import platform
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,10 +259,16 @@ def decode_lanes(lib: Any) -> list[int]:
     return [int(x) for x in lib.decode_lanes()]
 
 
-# Rows of x up to which `small_linear` serves a bf16 linear (decode steps of 1 to 4
-# requests); torch's matmul serves larger batches, where AMX tiles pay off. The op
-# refuses more than 4 (cpu_ops.cpp): raise both together.
-SMALL_LINEAR_MAX_ROWS = 4
+# Rows of x up to which `small_linear` serves a bf16 linear, by CPU (`bf16_linear_rows`).
+# Without AMX (AVX-512 BF16 only: Zen 4 / 5) oneDNN's bf16 brgemm is slow at decode's
+# row counts and the op's units are faster up to 16 rows (BENCHMARKS.md, fourteenth
+# round, SmolLM2's shapes: 1.3-2.2x at 1-16 rows, 0.6-1.1x at 32-64, where its dot
+# products run out of vdpbf16ps throughput). With AMX, oneDNN's tiles serve batches
+# past 4 rows (the bound the Xeon rounds used). The op itself takes 1 to
+# SMALL_LINEAR_OP_ROWS (cpu_ops.cpp, kSmallLinearMaxRows: change both together).
+SMALL_LINEAR_MAX_ROWS = 16
+SMALL_LINEAR_AMX_ROWS = 4
+SMALL_LINEAR_OP_ROWS = 64
 # Rows of x up to which `linear_f32` runs its decode path (units of weight rows read
 # once for every row of x; more rows: a register-blocked GEMM over packed panels, for
 # prefill chunks). `small_linear` sends it float32 linears of any row count on a CPU
@@ -306,7 +312,7 @@ def small_linear(
     """`F.linear(x, weight, bias)` on CPU for decode's row counts through a native op,
     or None where torch's matmul serves:
 
-    - bfloat16, 1 to SMALL_LINEAR_MAX_ROWS rows of x, in-features a multiple of 32, on
+    - bfloat16, 1 to `bf16_linear_rows()` rows of x, in-features a multiple of 32, on
       builds with AVX-512 BF16 (`small_linear`: bf16 dot products, one rounding);
     - float32, any number of rows, in-features a multiple of 8, on builds with AVX2
       or AVX-512, on a CPU where `linear_f32_serves` (`linear_f32`).
@@ -318,7 +324,7 @@ def small_linear(
     if x.device.type != "cpu" or weight.dtype != x.dtype or _state.get("torch_linears"):
         return None
     if x.dtype == torch.bfloat16:
-        op, (lo, hi), multiple = "small_linear", (1, SMALL_LINEAR_MAX_ROWS), 32
+        op, (lo, hi), multiple = "small_linear", (1, bf16_linear_rows()), 32
     elif x.dtype == torch.float32 and _linear_f32_here():
         op, (lo, hi), multiple = "linear_f32", (1, math.inf), 8
     else:
@@ -349,6 +355,18 @@ def torch_linears() -> Iterator[None]:
         yield
     finally:
         _state["torch_linears"] = before
+
+
+def bf16_linear_rows(flags: Iterable[str] | None = None) -> int:
+    """Rows of x up to which `small_linear` sends bf16 linears to the native op on a CPU
+    with these flags (default: this machine's, read once): SMALL_LINEAR_AMX_ROWS where
+    it has AMX, SMALL_LINEAR_MAX_ROWS elsewhere."""
+    if flags is None:
+        rows = _state.get("bf16_linear_rows")
+        if rows is None:
+            rows = _state["bf16_linear_rows"] = bf16_linear_rows(_cpu_flags().split())
+        return rows
+    return SMALL_LINEAR_AMX_ROWS if "amx_bf16" in set(flags) else SMALL_LINEAR_MAX_ROWS
 
 
 def _linear_f32_here() -> bool:

@@ -329,18 +329,21 @@ def _small_linear_lib():
     return lib
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+# 1-4: one chunk of rows; 5-64: chunks of 4 (6, 33: a shorter last chunk); the op's bound
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 16, 33, native.SMALL_LINEAR_OP_ROWS])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (17, 64), (100, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_is_a_bf16_linear(rows, out_features, in_features, with_bias):
     """Against float64 math rounded once to bf16 (what oneDNN's bf16 matmul computes up
-    to its float32 summation order): within one bf16 step of it, and of F.linear."""
-    _small_linear_lib()
+    to its float32 summation order): within one bf16 step of it, and of F.linear. The
+    op is called directly, so every row count it takes is tested whatever bound this
+    CPU's dispatch uses."""
+    lib = _small_linear_lib()
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
-    got = native.small_linear(x, w, b)
+    got = lib.small_linear(x, w, b)
     assert got is not None and got.dtype == torch.bfloat16
     assert got.shape == (rows, out_features)
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
@@ -357,10 +360,26 @@ def test_small_linear_keeps_leading_dims_and_leaves_other_cases_to_torch():
     got = native.small_linear(x, w)
     assert got is not None and got.shape == (1, 2, 8)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
-    many = torch.randn(native.SMALL_LINEAR_MAX_ROWS + 1, 64).to(torch.bfloat16)
-    assert native.small_linear(many, w) is None  # a batch: AMX tiles
+    most = torch.randn(native.bf16_linear_rows(), 64).to(torch.bfloat16)
+    assert native.small_linear(most, w) is not None
+    many = torch.randn(native.bf16_linear_rows() + 1, 64).to(torch.bfloat16)
+    assert native.small_linear(many, w) is None  # a batch: oneDNN's brgemm / AMX tiles
     assert native.small_linear(x[..., :48], w[:, :48]) is None  # K not a multiple of 32
     assert native.small_linear(x, w.T.contiguous().T) is None  # weight not row-major
+
+
+def test_small_linear_refuses_more_rows_than_the_op_takes():
+    lib = _small_linear_lib()
+    x = torch.randn(native.SMALL_LINEAR_OP_ROWS + 1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"1 to {native.SMALL_LINEAR_OP_ROWS} rows"):
+        lib.small_linear(x, torch.randn(8, 64).to(torch.bfloat16), None)
+
+
+def test_bf16_linear_rows_depend_on_amx():
+    """oneDNN's AMX tiles take bf16 batches past 4 rows; without AMX the op serves 16."""
+    assert native.bf16_linear_rows(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) == 4
+    assert native.bf16_linear_rows(["avx512f", "avx512_bf16"]) == 16
+    assert native.bf16_linear_rows() in (4, 16)
 
 
 def test_small_linear_is_off_with_the_native_ops(monkeypatch):
