@@ -731,16 +731,16 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions,
 // AVX-512 BF16 dot products (exact bf16 products, float32 sums; vdpbf16ps flushes
 // denormal inputs and results to zero: the order differs from oneDNN's, the rounding
 // to bf16 happens once at the end as there). 1 to 4 rows: one chunk of M rows against
-// units of 16 / M weight rows; more: chunks of 4 rows against units of 4, so the M x R
-// dot products' lane vectors always go through one Vec512::sums. Up to which row
-// count it serves is native.bf16_linear_rows()'s choice, by CPU.
+// units of 16 / M weight rows (one Vec512::sums); more: chunks of 6 rows against units
+// of 4 (24 lane vectors of sums, two Vec512::sums). Up to which row count it serves
+// is native.bf16_linear_rows()'s choice, by CPU.
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
 constexpr bool kSmallLinear = true;
 // native.SMALL_LINEAR_OP_ROWS: change both together
 constexpr int64_t kSmallLinearMaxRows = 64;
 
-// One unit: R weight rows against MC rows of x (MC x R <= 16 lane vectors of sums,
-// reduced with one Vec512::sums). Rows past the weight's end (rows < R) read its last
+// One unit: R weight rows against MC rows of x (MC x R <= 32 lane vectors of sums,
+// reduced 16 at a time with Vec512::sums). Rows past the weight's end (rows < R) read its last
 // row again and are not stored, so R stays a constant and the loops unroll. With
 // `next`, the next unit's rows are prefetched a cache line (32 bf16) per k-step.
 template <int MC, int R>
@@ -773,7 +773,7 @@ inline void small_linear_unit(const bf16* x, int64_t x_row, const bf16* w, int64
 }
 
 // Units of R weight rows, each read from memory once and kept in L1 while every chunk
-// of MC rows of x passes over it (the chunk of the last rows may be shorter: MT).
+// of MC rows of x passes over it (the chunk of the last rows may be shorter).
 template <int MC, int R>
 void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
                         int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
@@ -1027,7 +1027,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
   const bf16* wp = weight.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t xr = x.stride(0), wr = weight.stride(0);
-  // 1 to 4 rows: one chunk, 16 / M weight rows a unit; more: chunks of 4 rows, 4 a unit
+  // 1 to 4 rows: one chunk, 16 / M weight rows a unit; more: chunks of 6 rows, 4 a unit
   switch (M) {
     case 1: small_linear_typed<1, 16>(xp, wp, b, yp, M, N, K, xr, wr); break;
     case 2: small_linear_typed<2, 8>(xp, wp, b, yp, M, N, K, xr, wr); break;

@@ -262,7 +262,7 @@ def decode_lanes(lib: Any) -> list[int]:
 # Rows of x up to which `small_linear` serves a bf16 linear, by CPU (`bf16_linear_rows`).
 # Without AMX (AVX-512 BF16 only: Zen 4 / 5) oneDNN's bf16 brgemm is slow at decode's
 # row counts and the op's units are faster up to 16 rows (BENCHMARKS.md, fourteenth
-# round, SmolLM2's shapes: 1.3-2.2x at 1-16 rows, 0.6-1.1x at 32-64, where its dot
+# round, SmolLM2's shapes: 1.2-2.5x at 1-16 rows, 0.6-1.35x at 32-64, where its dot
 # products run out of vdpbf16ps throughput). With AMX, oneDNN's tiles serve batches
 # past 4 rows (the bound the Xeon rounds used). The op itself takes 1 to
 # SMALL_LINEAR_OP_ROWS (cpu_ops.cpp, kSmallLinearMaxRows: change both together).

@@ -329,7 +329,7 @@ def _small_linear_lib():
     return lib
 
 
-# 1-4: one chunk of rows; 5-64: chunks of 4 (6, 33: a shorter last chunk); the op's bound
+# 1-4: one chunk of rows; more: chunks of 6 (16, 33 and the op's bound 64 end shorter)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 16, 33, native.SMALL_LINEAR_OP_ROWS])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (17, 64), (100, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
