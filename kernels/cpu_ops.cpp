@@ -510,6 +510,62 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
 //
 // Reference (layers/norm.py): s = x + residual (in x's dtype); xf = float(s);
 // y = weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype). One pass per row.
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+// 16 bf16 at p as float (bf16 is float's upper half); 16 floats rounded to bf16 (to
+// nearest even, as torch's .to(bfloat16); vcvtneps2bf16 flushes denormals to zero).
+inline __m512 load_bf16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_bf16(bf16* p, __m256i h) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+}
+#endif
+
+// One row of rms_rows for bf16 on AVX-512 BF16 builds, 16 features a step (the scalar
+// loop's conversions do not vectorize): the same roundings, the sum of squares in 16
+// lanes. Returns the features done (hidden rounded down to 16); the caller does the rest.
+template <typename T, bool ADD>
+inline int64_t rms_row_vec(const T* xi, const T* ri, T* nr, float* s, int64_t hidden,
+                           float& ss) {
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    const int64_t n16 = hidden / 16 * 16;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n16; j += 16) {
+      __m512 v = load_bf16(xi + j);
+      if (ADD) {
+        const __m256i h = to_bf16(_mm512_add_ps(v, load_bf16(ri + j)));
+        store_bf16(nr + j, h);
+        v = widen_bf16(h);
+      }
+      _mm512_storeu_ps(s + j, v);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+    return n16;
+  }
+#endif
+  return 0;
+}
+
+template <typename T>
+inline void rms_out_vec(const float* s, const T* w, T* oi, int64_t n16, float inv) {
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t j = 0; j < n16; j += 16) {
+      const __m512 y = widen_bf16(to_bf16(_mm512_mul_ps(_mm512_loadu_ps(s + j), iv)));
+      store_bf16(oi + j, to_bf16(_mm512_mul_ps(load_bf16(w + j), y)));
+    }
+  }
+#endif
+}
+
 template <typename T, bool ADD>
 void rms_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t n,
               int64_t hidden, int64_t x_row, int64_t r_row, float eps) {
@@ -517,22 +573,24 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t 
     std::vector<float> s(hidden);
     for (int64_t i = b; i < e; ++i) {
       const T* xi = x + i * x_row;
+      const T* ri = ADD ? res + i * r_row : nullptr;
+      T* nr = ADD ? new_res + i * hidden : nullptr;
+      T* oi = out + i * hidden;
       float ss = 0.0f;
+      const int64_t v = rms_row_vec<T, ADD>(xi, ri, nr, s.data(), hidden, ss);
       if (ADD) {
-        const T* ri = res + i * r_row;
-        T* nr = new_res + i * hidden;
-        for (int64_t j = 0; j < hidden; ++j) {
+        for (int64_t j = v; j < hidden; ++j) {
           const T sum = from_f<T>(to_f(xi[j]) + to_f(ri[j]));
           nr[j] = sum;
           s[j] = to_f(sum);
         }
       } else {
-        for (int64_t j = 0; j < hidden; ++j) s[j] = to_f(xi[j]);
+        for (int64_t j = v; j < hidden; ++j) s[j] = to_f(xi[j]);
       }
-      for (int64_t j = 0; j < hidden; ++j) ss += s[j] * s[j];
+      for (int64_t j = v; j < hidden; ++j) ss += s[j] * s[j];
       const float inv = 1.0f / std::sqrt(ss / (float)hidden + eps);
-      T* oi = out + i * hidden;
-      for (int64_t j = 0; j < hidden; ++j)
+      rms_out_vec<T>(s.data(), w, oi, v, inv);
+      for (int64_t j = v; j < hidden; ++j)
         oi[j] = from_f<T>(to_f(w[j]) * to_f(from_f<T>(s[j] * inv)));
     }
   });
