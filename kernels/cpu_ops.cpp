@@ -652,7 +652,9 @@ void silu_mul_rows(const T* x, T* out, int64_t n, int64_t d, int64_t x_row) {
       T* oi = out + i * d;
       for (int64_t j = 0; j < d; ++j) {
         const float gf = to_f(g[j]);
-        const T act = from_f<T>(gf / (1.0f + std::exp(-gf)));
+        // exp's argument clamped where it overflows: -ffast-math assumes no infinities,
+        // and gf / (1 + inf) came out NaN for gates below -88.7 (silu there is -0)
+        const T act = from_f<T>(gf / (1.0f + std::exp(std::min(-gf, 88.3762626f))));
         oi[j] = from_f<T>(to_f(act) * to_f(u[j]));
       }
     }
