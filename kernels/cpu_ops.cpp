@@ -192,6 +192,11 @@ void attend(const QO* __restrict q, QO* __restrict o, const KV* __restrict k,
 // register file (AVX2: 16 ymm registers). Same math, float32 throughout; only the
 // order of the additions differs from the loop above.
 #ifdef SPUR_AVX512
+// 16 bf16 as 16 floats (bf16 is float's upper half).
+inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 struct Vec512 {
   using T = __m512;
   static constexpr int W = 16;
@@ -210,8 +215,7 @@ struct Vec512 {
   }
   // W bf16 values at src widened to float at dst (bf16 is float's upper half).
   static void widen(const bf16* src, float* dst) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    _mm512_storeu_ps(dst, widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
   }
   // r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels.
   static T sums(const T* a) {
@@ -511,16 +515,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
 // Reference (layers/norm.py): s = x + residual (in x's dtype); xf = float(s);
 // y = weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype). One pass per row.
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
-// 16 bf16 at p as float (bf16 is float's upper half); 16 floats rounded to bf16 (to
-// nearest even, as torch's .to(bfloat16); vcvtneps2bf16 flushes denormals to zero).
+// 16 bf16 at p as float; 16 floats rounded to bf16 (to nearest even, as torch's
+// .to(bfloat16); vcvtneps2bf16 flushes denormals to zero).
 inline __m512 load_bf16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline __m512 widen_bf16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 inline void store_bf16(bf16* p, __m256i h) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
 }
