@@ -80,6 +80,29 @@ inline int64_t row_grain(int64_t width) {
   return std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
 }
 
+// Weight-streaming ops (the linears) hand out blocks of units from an atomic counter
+// instead of at::parallel_for's static halves. Served, the team shares two cores with
+// Serve's and Ray's threads: a worker preempted for a few hundred microseconds held
+// half the op under static halves, and the other spun at the barrier for as long;
+// with blocks it takes the remaining ones. A block is at least `grain` units, and
+// small enough for 16 of them per thread where the op has the units; it is contiguous
+// (the prefetches and the hardware's streams still run ahead within it).
+template <class F>
+void parallel_blocks(int64_t n, int64_t grain, const F& f) {
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  const int64_t block = std::max<int64_t>(grain, (n + 16 * threads - 1) / (16 * threads));
+  const int64_t blocks = (n + block - 1) / block;
+  const int64_t team = std::min<int64_t>(threads, blocks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    for (;;) {
+      const int64_t b = next.fetch_add(1, std::memory_order_relaxed);
+      if (b >= blocks) break;
+      f(b * block, std::min(n, (b + 1) * block));
+    }
+  });
+}
+
 // ----------------------------------------------------------------- decode attention
 //
 // One task = one (decode, KV head) pair: its G = Hq / Hkv query heads against the
@@ -838,7 +861,7 @@ template <int MC, int R>
 void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
                         int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
   const int64_t units = (N + R - 1) / R;
-  at::parallel_for(0, units, 8, [&](int64_t ub, int64_t ue) {
+  parallel_blocks(units, 8, [&](int64_t ub, int64_t ue) {
     for (int64_t u = ub; u < ue; ++u) {
       const int64_t n0 = u * R;
       const int rows = (int)std::min<int64_t>(R, N - n0);
@@ -931,7 +954,7 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
   using V = LinearVec;
   constexpr int R = kLinearR;
   const int64_t units = (N + R - 1) / R;
-  at::parallel_for(0, units, 16, [&](int64_t ub, int64_t ue) {
+  parallel_blocks(units, 16, [&](int64_t ub, int64_t ue) {
     for (int64_t u = ub; u < ue; ++u) {
       const int64_t n0 = u * R;
       const int rows = (int)std::min<int64_t>(R, N - n0);
