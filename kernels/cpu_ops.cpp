@@ -31,6 +31,10 @@
 //   small_linear(x [M, K], weight [N, K], bias [N]?) -> x W^T + bias  [M, N]
 //       bfloat16 only, M 1 to 4, K a multiple of 32, AVX-512 BF16 builds only
 //       (small_linear_supported() says); float32 accumulation, one rounding.
+//   linear_f32(x [M, K], weight [N, K], bias [N]?) -> x W^T + bias  [M, N]   float32
+//   linear_f32_panels(x [M, K], panels [ceil(n / PW), K, PW], bias [n]?, n) -> [M, n]
+//       the same over the weight packed once at load (native.pack_linear_f32);
+//       linear_f32_panel_width() says PW (32 on AVX-512 builds, 16 on AVX2).
 // Each rounds where its torch reference rounds (bf16: after every op), so bf16
 // results equal the reference up to float32 summation order.
 
@@ -1053,6 +1057,50 @@ void linear_f32_packed(const float* x, const float* w, const float* bias, float*
     }
   });
 }
+
+// The same tiles over weights packed once, at load (native.pack_linear_f32): panels [P, K, PW]
+// of PW = 2 x W columns, k-major, zeros past N. A decode step's rows (M <= 64) are
+// split into tiles of at most kPackMR, as even as they go (16 rows: two of 8), so no
+// tile computes rows it throws away. Each panel is read from memory once, in address
+// order (the hardware's stream prefetch runs ahead of it), and its later tiles find
+// it in L2 (K x PW floats: 72 KiB at K = 576, 192 KiB at K = 1536). No horizontal
+// sums: every FMA adds a broadcast x element times PW weights.
+template <class V, int MR>
+void panels_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias_p,
+                  int64_t K, float* y, int64_t N, int cols) {
+  for (int64_t m = 0; m < M; m += MR) {
+    const int rows = (int)std::min<int64_t>(MR, M - m);
+    gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols);
+  }
+}
+
+void linear_f32_panels_typed(const float* x, const float* panels, const float* bias, float* y,
+                             int64_t M, int64_t N, int64_t K, int64_t x_row) {
+  using V = LinearVec;
+  constexpr int PW = 2 * V::W;
+  const int64_t P = (N + PW - 1) / PW;
+  const int64_t tiles = (M + kPackMR - 1) / kPackMR;
+  const int64_t mr = (M + tiles - 1) / tiles;
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe) {
+    alignas(64) float bias_p[PW];
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * PW;
+      const int cols = (int)std::min<int64_t>(PW, N - n0);
+      for (int j = 0; j < PW; ++j) bias_p[j] = j < cols && bias ? bias[n0 + j] : 0.0f;
+      const float* bp = panels + p * K * PW;
+      float* yp = y + n0;
+      switch (mr) {
+#define SPUR_PANEL_CASE(R) \
+  case R: panels_tiles<V, (R <= kPackMR ? R : kPackMR)>(x, x_row, M, bp, bias_p, K, yp, N, cols); break;
+        SPUR_PANEL_CASE(1) SPUR_PANEL_CASE(2) SPUR_PANEL_CASE(3) SPUR_PANEL_CASE(4)
+        SPUR_PANEL_CASE(5) SPUR_PANEL_CASE(6) SPUR_PANEL_CASE(7) SPUR_PANEL_CASE(8)
+        SPUR_PANEL_CASE(9) SPUR_PANEL_CASE(10) SPUR_PANEL_CASE(11)
+#undef SPUR_PANEL_CASE
+        default: panels_tiles<V, kPackMR>(x, x_row, M, bp, bias_p, K, yp, N, cols);
+      }
+    }
+  });
+}
 #else
 constexpr bool kLinearF32 = false;
 #endif
@@ -1091,6 +1139,39 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight,
   (M <= kLinearF32UnitRows ? linear_f32_typed : linear_f32_packed)(
       x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K,
       x.stride(0), weight.stride(0));
+#endif
+  return y;
+}
+
+int64_t linear_f32_panel_width() {
+#ifdef SPUR_SIMD
+  return 2 * LinearVec::W;
+#else
+  return 0;
+#endif
+}
+
+at::Tensor linear_f32_panels(const at::Tensor& x, const at::Tensor& panels,
+                             const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(kLinearF32, "linear_f32_panels: built for a CPU without AVX2 + FMA or AVX-512");
+  const int64_t PW = linear_f32_panel_width();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(0) >= 1,
+              "linear_f32_panels: x [M, K] float32 with a unit inner stride");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(1) == K && panels.size(2) == PW && panels.size(0) == (n + PW - 1) / PW,
+              "linear_f32_panels: panels [ceil(n / ", PW, "), K, ", PW,
+              "] float32, contiguous (native.pack_linear_f32's layout)");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "linear_f32_panels: bias [n] float32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, n}, x.options());
+#ifdef SPUR_SIMD
+  linear_f32_panels_typed(x.data_ptr<float>(), panels.data_ptr<float>(), b, y.data_ptr<float>(), M,
+                          n, K, x.stride(0));
 #endif
   return y;
 }
@@ -1150,6 +1231,8 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_f32_supported() -> bool", &linear_f32_supported);
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_f32_panel_width() -> int", &linear_f32_panel_width);
+  m.def("linear_f32_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) kv_cache, "
       "Tensor slots, int num_heads, int num_kv_heads, int head_dim, int rotary_dim) -> Tensor");
@@ -1162,5 +1245,6 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("small_linear", &small_linear);
   m.impl("linear_f32", &linear_f32);
+  m.impl("linear_f32_panels", &linear_f32_panels);
   m.impl("rope_store_kv", &rope_store_kv);
 }

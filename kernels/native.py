@@ -280,6 +280,13 @@ SMALL_LINEAR_OP_ROWS = 64
 # op's own constant (cpu_ops.cpp, kLinearF32UnitRows): change both together.
 LINEAR_F32_UNIT_ROWS = 64
 
+# Panel widths (native.pack_linear_f32) of the builds whose float32 linears are packed
+# at load: 32, AVX-512 builds (1.07-1.65x linear_f32 on [N, K] at 1-64 rows, 2 x 16
+# lanes a panel). AVX2 builds (16 columns a panel, tiles of at most 6 rows) keep the
+# [N, K] weights: there the panels measured 0.73-1.18x at 1-16 rows, 1.3x at 64
+# (BENCHMARKS.md, fifteenth round).
+PACKED_PANEL_WIDTHS = (32,)
+
 # MKL is Intel's library: on Intel CPUs it takes its tuned kernels (the Xeon rounds
 # measured its float32 linear there), on others generic ones, slow at decode's sizes.
 MKL_TUNED_VENDORS = ("GenuineIntel",)
@@ -342,6 +349,57 @@ def small_linear(
     if x2.stride(-1) != 1:
         return None
     return getattr(lib, op)(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight [N, K]` float32 as `linear_f32_panels` reads it, packed once at load,
+    or None where that op does not serve it (not a CPU float32 weight, K not a
+    multiple of 8, a CPU where MKL's sgemm serves float32 linears, no such build, a
+    build whose panels do not pay: PACKED_PANEL_WIDTHS).
+
+    The layout: panels [ceil(N / PW), K, PW] of PW = `linear_f32_panel_width()`
+    output features (32 on AVX-512 builds, 16 on AVX2), k-major, zeros past N. Every
+    row count reads it (decode's tiles, prefill's GEMM): 1.1-1.65x `linear_f32` on
+    the [N, K] weight at 1-64 rows (BENCHMARKS.md, fifteenth round), which had to sum
+    each dot product across a vector's lanes and re-read x from L2 per unit."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % 8 or not _linear_f32_here():
+        return None
+    lib = ops()
+    if lib is None or not _built(lib, "linear_f32"):
+        return None
+    pw = int(lib.linear_f32_panel_width())
+    if pw not in PACKED_PANEL_WIDTHS:
+        return None
+    panels = weight.new_zeros((n + pw - 1) // pw * pw, k)
+    panels[:n] = weight
+    return panels.view(-1, pw, k).transpose(1, 2).contiguous()  # [P, K, PW]
+
+
+def unpack_linear_f32(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The [n, K] weight `pack_linear_f32` packed into `panels` (a new tensor)."""
+    p, k, pw = panels.shape
+    return panels.transpose(1, 2).reshape(p * pw, k)[:n].contiguous()
+
+
+def linear_f32_panels(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """`F.linear(x, W, bias)` for the float32 weight W [n, K] that `pack_linear_f32`
+    packed into `panels`, at any row count. x: [..., K] float32 -> [..., n]. Under
+    `torch_linears` (benches: transformers' path) it unpacks W and runs `F.linear`."""
+    k = panels.shape[1]
+    rows = x.numel() // k if k else 0
+    if _state.get("torch_linears"):
+        return torch.nn.functional.linear(x, unpack_linear_f32(panels, n), bias)
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return ops().linear_f32_panels(x2, panels, bias, n).view(*x.shape[:-1], n)
 
 
 @contextmanager

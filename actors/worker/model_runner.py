@@ -26,7 +26,11 @@ from spur.actors.worker.cache_layout import (
 )
 from spur.actors.worker.graph_runner import DecodeGraphs, build_decode_graphs
 from spur.actors.worker.input_batch import RequestStates
-from spur.actors.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from spur.actors.worker.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    unpacked_linears,
+)
 from spur.actors.worker.sampler import Sampler
 from spur.actors.worker.sampling_metadata import SamplerState
 from spur.kernels import AttentionMetadata, native
@@ -373,7 +377,11 @@ class ModelRunner:
             _sync(dev)
             return time.perf_counter() - t0
 
-        with native.torch_linears() if torch_path else contextlib.nullcontext():
+        path = contextlib.ExitStack()
+        if torch_path:  # transformers' path: F.linear on [N, K] weights
+            path.enter_context(unpacked_linears(self.model))
+            path.enter_context(native.torch_linears())
+        with path:
             one(8, 8)  # warm-up: first calls pay one-time costs
             return sum(
                 count * min(one(tokens, logits) for _ in range(max(1, repeats)))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from spur.actors.cache_spec import ModelGeometry
 from spur.actors.step import ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.compute_dtype import cpu_flags, native_dtypes, pick_compute_dtype
+from spur.actors.worker.layers.linear import pack_linears
 from spur.actors.worker.loader import load_model
 from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
 
@@ -160,6 +161,14 @@ class Worker:
         hf = getattr(model, "config", None) or loaded.config  # text config of multimodal ones
         param_dtype = next(model.parameters()).dtype  # the served dtype (model.dtype)
         compute = self._compute_dtype(model, param_dtype)
+        if self.device.type == "cpu":
+            packed, nbytes = pack_linears(model)  # float32 on CPUs where spur's linear serves
+            if packed:
+                logger.info(
+                    "float32 linears: %d weights packed for linear_f32_panels (%.1f MiB)",
+                    packed,
+                    nbytes / 2**20,
+                )
         kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, param_dtype)
         self.runner = ModelRunner(
             model,

@@ -437,6 +437,75 @@ def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bi
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+def _panels_lib(monkeypatch):
+    """_linear_f32_lib, with this build's panels packed whatever its width: AVX2 builds'
+    16-column panels are tested too, though load does not pack for them."""
+    lib = _linear_f32_lib(monkeypatch)
+    monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 13, 16, 24, 25, 33, 64, 65, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(1, 8), (17, 64), (100, 576), (33, 1544)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_f32_panels_is_a_float32_linear(
+    rows, out_features, in_features, with_bias, monkeypatch
+):
+    """The weight packed once (pack_linear_f32) against float64 math and F.linear, within
+    float32 summation error: tiles of every size from 1 row to kPackMR (12 and 13 rows:
+    one tile and two of 7 and 6; 25: three), panels of 16 or 32 columns with a partial
+    last one (17, 100, 33) or only part of one (1), K of one to 193 vectors."""
+    lib = _panels_lib(monkeypatch)
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    panels = native.pack_linear_f32(w)
+    pw = lib.linear_f32_panel_width()
+    assert panels is not None and pw in (16, 32)
+    assert panels.shape == (-(-out_features // pw), in_features, pw)
+    assert torch.equal(native.unpack_linear_f32(panels, out_features), w)
+    got = native.linear_f32_panels(x, panels, b, out_features)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_f32_panels_shapes_and_refusals(monkeypatch):
+    lib = _panels_lib(monkeypatch)
+    w = torch.randn(40, 64)
+    panels = native.pack_linear_f32(w)
+    x = torch.randn(2, 3, 64)
+    got = native.linear_f32_panels(x, panels, None, 40)  # leading dims kept
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert native.linear_f32_panels(torch.randn(0, 64), panels, None, 40).shape == (0, 40)
+    strided = torch.randn(64, 5).T  # x with a non-unit inner stride: copied first
+    torch.testing.assert_close(
+        native.linear_f32_panels(strided, panels, None, 40),
+        torch.nn.functional.linear(strided, w),
+        atol=1e-4,
+        rtol=1e-5,
+    )
+    with native.torch_linears():  # benches: torch's F.linear on the unpacked weight
+        assert torch.equal(
+            native.linear_f32_panels(x, panels, None, 40), torch.nn.functional.linear(x, w)
+        )
+    assert native.pack_linear_f32(w[:, :60].contiguous()) is None  # K not a multiple of 8
+    assert native.pack_linear_f32(w.to(torch.bfloat16)) is None  # float32 only
+    monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", ())
+    assert native.pack_linear_f32(w) is None  # a build whose panels do not pay (AVX2)
+    monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
+    monkeypatch.setitem(native._state, "linear_f32_here", False)
+    assert native.pack_linear_f32(w) is None  # an Intel CPU: MKL keeps the [N, K] weight
+    with pytest.raises(RuntimeError, match="pack_linear_f32"):
+        lib.linear_f32_panels(torch.randn(2, 64), panels, None, 80)  # n of another weight
+    with pytest.raises(RuntimeError, match="bias"):
+        lib.linear_f32_panels(torch.randn(2, 64), panels, torch.randn(39), 40)
+
+
 def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch(monkeypatch):
     lib = _linear_f32_lib(monkeypatch)
     w = torch.randn(8, 64)

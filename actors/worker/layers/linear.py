@@ -21,7 +21,8 @@ shards the checkpoint must provide for the parameter to be complete.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,7 +63,71 @@ def _new_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackedWeight:
+    """A linear layer whose float32 weight can be packed once, after loading, into the
+    panels `native.linear_f32_panels` reads (`native.pack_linear_f32`: CPUs where
+    spur's float32 linear serves, not MKL's). The packed copy replaces the weight:
+    `weight` becomes an empty [0, in_features] parameter (memory is not doubled) and
+    every row count runs on the panels. `unpacked_linears` restores the [N, K] weights
+    for a while (benches timing torch's own path)."""
+
+    weight: nn.Parameter
+    weight_panels: torch.Tensor | None = None
+    packed_out_features = 0
+
+    def pack_weight(self) -> int:
+        """Pack the weight if the native op serves it; returns the packed bytes (0: not packed)."""
+        if self.weight_panels is not None:
+            return 0
+        panels = native.pack_linear_f32(self.weight)
+        if panels is None:
+            return 0
+        self.packed_out_features, k = self.weight.shape
+        self.weight = nn.Parameter(self.weight.new_empty(0, k), requires_grad=False)
+        self.weight_panels = panels
+        return panels.numel() * panels.element_size()
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> x W^T + bias [..., out] on this rank's weight."""
+        if self.weight_panels is not None:
+            return native.linear_f32_panels(x, self.weight_panels, bias, self.packed_out_features)
+        y = native.small_linear(x, self.weight, bias)  # decode row counts (native.py)
+        return F.linear(x, self.weight, bias) if y is None else y
+
+
+def pack_linears(model: nn.Module) -> tuple[int, int]:
+    """Pack every linear layer's weight that `native.linear_f32_panels` serves
+    (`PackedWeight.pack_weight`); returns (layers packed, bytes). Call once, after
+    loading and after any dtype change."""
+    layers = nbytes = 0
+    for m in model.modules():
+        if isinstance(m, PackedWeight):
+            b = m.pack_weight()
+            layers, nbytes = layers + (b > 0), nbytes + b
+    return layers, nbytes
+
+
+@contextmanager
+def unpacked_linears(model: nn.Module) -> Iterator[None]:
+    """Within it the packed linear layers of `model` hold their [N, K] weights again
+    and compute with them (torch's path; memory for both meanwhile). For benches."""
+    packed = [
+        m for m in model.modules() if isinstance(m, PackedWeight) and m.weight_panels is not None
+    ]
+    saved = [(m.weight, m.weight_panels) for m in packed]
+    for m in packed:
+        m.weight = nn.Parameter(
+            native.unpack_linear_f32(m.weight_panels, m.packed_out_features), requires_grad=False
+        )
+        m.weight_panels = None
+    try:
+        yield
+    finally:
+        for m, (weight, panels) in zip(packed, saved, strict=True):
+            m.weight, m.weight_panels = weight, panels
+
+
+class ColumnParallelLinear(PackedWeight, nn.Module):
     """`y = x W^T + b` with W's output features split across TP ranks.
 
     Args:
@@ -117,9 +182,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = native.small_linear(x, self.weight, self.bias)  # decode row counts (native.py)
-        if y is None:
-            y = F.linear(x, self.weight, self.bias)  # [..., out/T]
+        y = self._linear(x, self.bias)  # [..., out/T]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -267,7 +330,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         dst.copy_(src)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedWeight, nn.Module):
     """`y = x W^T + b` with W's input features split across TP ranks.
 
     Each rank multiplies its slice of the input (`input_is_parallel`, the
@@ -313,9 +376,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = native.small_linear(x, self.weight)  # decode row counts (native.py)
-        if y is None:
-            y = F.linear(x, self.weight)  # [..., out], partial sum on this rank
+        y = self._linear(x, None)  # [..., out], partial sum on this rank
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         # Without the reduction the caller sums the partials: add the bias on one rank only.

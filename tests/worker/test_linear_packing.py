@@ -1,0 +1,114 @@
+"""Float32 linear weights packed once at load (layers.linear.pack_linears): the layers
+compute what they did on the [N, K] weights, the packed copy replaces the weight (no
+second copy kept), benches can have the [N, K] weights back for a while, and the
+worker packs what it loads on a CPU where spur's float32 linear serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spur.actors.worker.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    pack_linears,
+    unpacked_linears,
+)
+from spur.kernels import native
+
+
+@pytest.fixture
+def panels_here(monkeypatch):
+    """pack_linear_f32 serving on this machine whatever its vendor and panel width (the
+    rules: tests/kernels/test_native.py)."""
+    lib = native.build()
+    if not lib.linear_f32_supported():
+        pytest.skip("linear_f32 needs AVX2 + FMA or AVX-512; this CPU has neither")
+    monkeypatch.setitem(native._state, "linear_f32_here", True)
+    monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
+
+
+def _layers(dtype: torch.dtype = torch.float32) -> nn.ModuleDict:
+    gen = torch.Generator().manual_seed(3)
+    layers = nn.ModuleDict(
+        {
+            "col": ColumnParallelLinear(64, 40, bias=True, params_dtype=dtype),
+            "qkv": QKVParallelLinear(64, 16, 4, 2, bias=False, params_dtype=dtype),
+            "row": RowParallelLinear(40, 64, bias=True, params_dtype=dtype),
+        }
+    )
+    for p in layers.parameters():
+        p.data = torch.randn(p.shape, generator=gen).to(dtype)
+    return layers
+
+
+def _outputs(layers: nn.ModuleDict, x64: torch.Tensor, x40: torch.Tensor) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return [layers["col"](x64), layers["qkv"](x64), layers["row"](x40)]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 70])
+def test_packed_layers_compute_what_they_did(panels_here, rows):
+    layers = _layers()
+    weights = {name: m.weight.detach().clone() for name, m in layers.items()}
+    x64, x40 = torch.randn(rows, 64), torch.randn(rows, 40)
+    expected = [
+        F.linear(x64, weights["col"], layers["col"].bias),
+        F.linear(x64, weights["qkv"]),
+        F.linear(x40, weights["row"]) + layers["row"].bias,
+    ]
+    packed, nbytes = pack_linears(layers)
+    assert packed == 3
+    pw = native.ops().linear_f32_panel_width()
+    padded = {name: -(-w.shape[0] // pw) * pw for name, w in weights.items()}  # zeros past N
+    assert nbytes == 4 * sum(padded[name] * w.shape[1] for name, w in weights.items())
+    for name, m in layers.items():
+        assert m.weight.shape == (0, weights[name].shape[1])  # the panels replace it
+        assert m.weight_panels is not None
+    for got, want in zip(_outputs(layers, x64, x40), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert pack_linears(layers) == (0, 0)  # packing twice packs nothing
+
+
+def test_unpacked_linears_restores_the_weights_for_a_while(panels_here):
+    layers = _layers()
+    weights = {name: m.weight.detach().clone() for name, m in layers.items()}
+    pack_linears(layers)
+    panels = {name: m.weight_panels for name, m in layers.items()}
+    x64, x40 = torch.randn(5, 64), torch.randn(5, 40)
+    with unpacked_linears(layers), native.torch_linears():
+        for name, m in layers.items():
+            assert torch.equal(m.weight, weights[name]) and m.weight_panels is None
+        got = _outputs(layers, x64, x40)
+        torch.testing.assert_close(got[0], F.linear(x64, weights["col"], layers["col"].bias))
+    for name, m in layers.items():
+        assert m.weight_panels is panels[name] and m.weight.shape[0] == 0
+
+
+def test_other_dtypes_and_cpus_keep_their_weights(panels_here, monkeypatch):
+    layers = _layers(torch.bfloat16)
+    assert pack_linears(layers) == (0, 0)
+    assert all(m.weight_panels is None and m.weight.shape[0] > 0 for m in layers.values())
+    monkeypatch.setitem(native._state, "linear_f32_here", False)  # MKL serves float32
+    assert pack_linears(_layers()) == (0, 0)
+
+
+def test_worker_packs_float32_linears_at_load(panels_here, tiny_model_dir):
+    from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", block_size=4)
+    model = llm.executor.worker.runner.model
+    linears = [
+        m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+    assert linears and all(m.weight_panels is not None for m in linears)
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    # the engine bench's ceiling times torch's F.linear on [N, K] weights, then packs back
+    runner = llm.executor.worker.runner
+    assert runner.time_matmuls([(4, 4, 1)], repeats=1, torch_path=True) > 0
+    assert all(m.weight_panels is not None for m in linears)
