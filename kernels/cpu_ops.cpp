@@ -88,21 +88,24 @@ inline int64_t row_grain(int64_t width) {
 // instead of at::parallel_for's static halves. Served, the team shares two cores with
 // Serve's and Ray's threads: a worker preempted for a few hundred microseconds held
 // half the op under static halves, and the other spun at the barrier for as long;
-// with blocks it takes the remaining ones. A block is at least `grain` units, and
-// small enough for 16 of them per thread where the op has the units; it is contiguous
-// (the prefetches and the hardware's streams still run ahead within it).
+// with blocks it takes the remaining ones. Blocks shrink as the op goes ("guided"
+// scheduling: a claim takes the remaining units / (2 x threads), at least `grain`),
+// so an op has few boundaries, where a block's first unit starts without a prefetch,
+// and small blocks at the end, where the balancing happens. A block is contiguous.
 template <class F>
 void parallel_blocks(int64_t n, int64_t grain, const F& f) {
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-  const int64_t block = std::max<int64_t>(grain, (n + 16 * threads - 1) / (16 * threads));
-  const int64_t blocks = (n + block - 1) / block;
-  const int64_t team = std::min<int64_t>(threads, blocks);
+  const int64_t team = std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(grain, 1));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
-    for (;;) {
-      const int64_t b = next.fetch_add(1, std::memory_order_relaxed);
-      if (b >= blocks) break;
-      f(b * block, std::min(n, (b + 1) * block));
+  at::parallel_for(0, std::max<int64_t>(team, 1), 1, [&](int64_t, int64_t) {
+    int64_t begin = next.load(std::memory_order_relaxed);
+    while (begin < n) {
+      const int64_t size = std::max<int64_t>(grain, (n - begin) / (2 * threads));
+      const int64_t end = std::min(n, begin + size);
+      if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {
+        f(begin, end);
+        begin = next.load(std::memory_order_relaxed);
+      }
     }
   });
 }
