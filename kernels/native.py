@@ -384,6 +384,13 @@ def unpack_linear_f32(panels: torch.Tensor, n: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(p * pw, k)[:n].contiguous()
 
 
+def linear_f32_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids [n]` (int64, each in [0, N)) of the weight packed into `panels`
+    [P, K, PW] -> [n, K]: an embedding lookup on a tied LM head's packed weight."""
+    pw = panels.shape[2]
+    return panels[ids // pw, :, ids % pw]
+
+
 def linear_f32_panels(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:

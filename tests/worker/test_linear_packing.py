@@ -96,19 +96,45 @@ def test_other_dtypes_and_cpus_keep_their_weights(panels_here, monkeypatch):
     assert pack_linears(_layers()) == (0, 0)
 
 
-def test_worker_packs_float32_linears_at_load(panels_here, tiny_model_dir):
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_worker_packs_float32_linears_at_load(panels_here, tiny_model_dir, name):
+    """Every linear layer and the LM head packed; a tied embedding shares the head's
+    panels and looks its rows up there; greedy tokens and logprobs as with the [N, K]
+    weights (unpacked_linears, same process)."""
     from spur.actors.llm import LLM
     from spur.actors.step import SamplingParams
+    from spur.actors.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", block_size=4)
-    model = llm.executor.worker.runner.model
+    llm = LLM(str(tiny_model_dir(name)), dtype="float32", block_size=4)
+    runner = llm.executor.worker.runner
+    model = runner.model
     linears = [
         m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
     ]
     assert linears and all(m.weight_panels is not None for m in linears)
-    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0))
-    assert len(out[0].outputs[0].token_ids) == 4
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    embed = next(
+        m
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    )
+    assert head.weight_panels is not None and head.weight.shape[0] == 0
+    if name == "llama_tied":  # one packed copy, still tied
+        assert embed.weight_panels is head.weight_panels and embed.weight is head.weight
+    else:  # an embedding alone only looks rows up: it keeps its [V, K] weight
+        assert embed.weight_panels is None and embed.weight.shape[0] > 0
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3, 11]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    packed = llm.generate(prompts, params)
+    with unpacked_linears(model):
+        assert embed.weight.shape[0] > 0 and head.weight.shape[0] > 0
+        plain = llm.generate(prompts, params)
+    for a, b in zip(packed, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert x.sampled == pytest.approx(y.sampled, abs=1e-4)
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
     # the engine bench's ceiling times torch's F.linear on [N, K] weights, then packs back
-    runner = llm.executor.worker.runner
     assert runner.time_matmuls([(4, 4, 1)], repeats=1, torch_path=True) > 0
-    assert all(m.weight_panels is not None for m in linears)
+    assert all(m.weight_panels is not None for m in [*linears, head])

@@ -22,17 +22,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spur.actors.worker.layers.linear import check_shape, set_weight_attrs
+from spur.actors.worker.layers.linear import PackedWeight, check_shape, set_weight_attrs
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
 from spur.kernels import native
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(PackedWeight, nn.Module):
     """Token embedding whose rows are split by vocabulary range across TP ranks.
 
     forward: `input_ids [n] (int64, any id in [0, vocab_size)) -> [n, embedding_dim]`,
-    identical on every rank.
+    identical on every rank. Tied to an LM head whose weight is packed
+    (`pack_linears`), it reads its rows from the head's panels.
     """
+
+    packs_itself = False  # lookups only: packed with a tied LM head, never alone
 
     def __init__(
         self,
@@ -66,12 +69,18 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
         param.data[n:].zero_()
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids [n]` of this rank's weight -> [n, dim]."""
+        if self.weight_panels is not None:
+            return native.linear_f32_panel_rows(self.weight_panels, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return F.embedding(input_ids, self.weight)  # [n, dim]
+            return self._rows(input_ids)  # [n, dim]
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [n]
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        emb = F.embedding(local_ids, self.weight)  # [n, dim]
+        emb = self._rows(local_ids)  # [n, dim]
         emb = emb.masked_fill(~in_range.unsqueeze(-1), 0)
         return self.tp.all_reduce(emb)
 
@@ -86,8 +95,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to vocabulary logits, split by vocabulary range.
 
     With tied embeddings call `tie_to(embedding)`: both modules then share one
-    parameter (same vocabulary split, so the shards coincide).
+    parameter (same vocabulary split, so the shards coincide), and one packed copy.
     """
+
+    packs_itself = True
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share `embedding.weight` (mutates self; loading fills both at once)."""
@@ -100,9 +111,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`hidden_states [n, dim] -> logits [n, vocab_size]` float32, full vocab on every rank."""
-        logits = native.small_linear(hidden_states, self.weight)  # decode row counts
-        if logits is None:
-            logits = F.linear(hidden_states, self.weight)  # [n, vocab / T]
+        logits = self._linear(hidden_states, None)  # [n, vocab / T]
         if self.tp.is_parallel:
             logits = self.tp.all_gather(logits, dim=-1)  # [n, vocab rounded up]
             logits = logits[:, : self.num_embeddings]

@@ -64,16 +64,21 @@ def _new_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
 
 
 class PackedWeight:
-    """A linear layer whose float32 weight can be packed once, after loading, into the
-    panels `native.linear_f32_panels` reads (`native.pack_linear_f32`: CPUs where
-    spur's float32 linear serves, not MKL's). The packed copy replaces the weight:
-    `weight` becomes an empty [0, in_features] parameter (memory is not doubled) and
-    every row count runs on the panels. `unpacked_linears` restores the [N, K] weights
-    for a while (benches timing torch's own path)."""
+    """A layer whose float32 weight can be packed once, after loading, into the panels
+    `native.linear_f32_panels` reads (`native.pack_linear_f32`: CPUs where spur's
+    float32 linear serves, not MKL's). The packed copy replaces the weight: `weight`
+    becomes an empty [0, in_features] parameter (memory is not doubled) and every row
+    count runs on the panels. `unpacked_linears` restores the [N, K] weights for a
+    while (benches timing torch's own path).
+
+    `packs_itself` False (token embeddings): the layer is packed only when it shares
+    its weight with one that packs (an LM head tied to it), and then reads its rows
+    from the shared panels."""
 
     weight: nn.Parameter
     weight_panels: torch.Tensor | None = None
     packed_out_features = 0
+    packs_itself = True
 
     def pack_weight(self) -> int:
         """Pack the weight if the native op serves it; returns the packed bytes (0: not packed)."""
@@ -82,10 +87,12 @@ class PackedWeight:
         panels = native.pack_linear_f32(self.weight)
         if panels is None:
             return 0
-        self.packed_out_features, k = self.weight.shape
-        self.weight = nn.Parameter(self.weight.new_empty(0, k), requires_grad=False)
-        self.weight_panels = panels
+        n, k = self.weight.shape
+        self._adopt(nn.Parameter(self.weight.new_empty(0, k), requires_grad=False), panels, n)
         return panels.numel() * panels.element_size()
+
+    def _adopt(self, weight: nn.Parameter, panels: torch.Tensor, out_features: int) -> None:
+        self.weight, self.weight_panels, self.packed_out_features = weight, panels, out_features
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T + bias [..., out] on this rank's weight."""
@@ -96,21 +103,34 @@ class PackedWeight:
 
 
 def pack_linears(model: nn.Module) -> tuple[int, int]:
-    """Pack every linear layer's weight that `native.linear_f32_panels` serves
-    (`PackedWeight.pack_weight`); returns (layers packed, bytes). Call once, after
-    loading and after any dtype change."""
-    layers = nbytes = 0
-    for m in model.modules():
-        if isinstance(m, PackedWeight):
-            b = m.pack_weight()
-            layers, nbytes = layers + (b > 0), nbytes + b
-    return layers, nbytes
+    """Pack every layer weight that `native.linear_f32_panels` serves
+    (`PackedWeight.pack_weight`): the linear layers, the LM head, and the token
+    embedding tied to it (one packed copy for both). Returns (weights packed, bytes).
+    Call once, after loading and after any dtype change."""
+    layers = [m for m in model.modules() if isinstance(m, PackedWeight)]
+    done: dict[int, tuple[nn.Parameter, torch.Tensor, int]] = {}  # id(old weight) ->
+    alive = []  # the old weights, so that no id is reused while `done` is read
+    count = nbytes = 0
+    for m in (m for m in layers if m.packs_itself):
+        old = m.weight
+        if id(old) in done:  # tied to a layer packed already
+            m._adopt(*done[id(old)])
+            continue
+        b = m.pack_weight()
+        if b:
+            alive.append(old)
+            done[id(old)] = (m.weight, m.weight_panels, m.packed_out_features)
+            count, nbytes = count + 1, nbytes + b
+    for m in (m for m in layers if not m.packs_itself and id(m.weight) in done):
+        m._adopt(*done[id(m.weight)])
+    return count, nbytes
 
 
 @contextmanager
 def unpacked_linears(model: nn.Module) -> Iterator[None]:
-    """Within it the packed linear layers of `model` hold their [N, K] weights again
-    and compute with them (torch's path; memory for both meanwhile). For benches."""
+    """Within it the packed layers of `model` hold their [N, K] weights again and
+    compute with them (torch's path; memory for both meanwhile, tied weights unpacked
+    once each). For benches."""
     packed = [
         m for m in model.modules() if isinstance(m, PackedWeight) and m.weight_panels is not None
     ]
