@@ -29,7 +29,7 @@
 //       RoPE ("rotate half") of q and k at positions, k and v written into
 //       kv_cache[0 / 1] at slots (-1: skip); returns the rotated q [n, Hq, D].
 //   small_linear(x [M, K], weight [N, K], bias [N]?) -> x W^T + bias  [M, N]
-//       bfloat16 only, M 1 to 4, K a multiple of 32, AVX-512 BF16 builds only
+//       bfloat16 only, M 1 to 64, K a multiple of 32, AVX-512 BF16 builds only
 //       (small_linear_supported() says); float32 accumulation, one rounding.
 //   linear_f32(x [M, K], weight [N, K], bias [N]?) -> x W^T + bias  [M, N]   float32
 //   linear_f32_panels(x [M, K], panels [ceil(n / PW), K, PW], bias [n]?, n) -> [M, n]
