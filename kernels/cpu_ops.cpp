@@ -94,10 +94,11 @@ inline int64_t row_grain(int64_t width) {
 // and small blocks at the end, where the balancing happens. A block is contiguous.
 template <class F>
 void parallel_blocks(int64_t n, int64_t grain, const F& f) {
+  grain = std::max<int64_t>(grain, 1);
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-  const int64_t team = std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(grain, 1));
+  const int64_t team = std::clamp<int64_t>((n + grain - 1) / grain, 1, threads);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(team, 1), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     int64_t begin = next.load(std::memory_order_relaxed);
     while (begin < n) {
       const int64_t size = std::max<int64_t>(grain, (n - begin) / (2 * threads));
@@ -989,7 +990,7 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
 // is as slow on AMD (about 190 GFLOP/s on two Zen 5 cores at 2048 rows, well under
 // half their FMA peak). This is the textbook register-blocked GEMM: a panel of 2 x W
 // columns of y (32 on AVX-512, 16 on AVX2) has its weight rows packed k-major into an
-// L2 buffer ([K][2W], zeros past N), once per panel; tiles of MR rows of x by the
+// L2 buffer ([K][2W], zeros past N), once per panel; tiles of up to MR rows of x by the
 // panel keep their MR x 2 accumulators in registers (24 zmm of 32, 12 ymm of 16) and
 // per k add two weight vectors times one broadcast x element per row, for every tile
 // of x (read in place, from L2 / L3). The bias seeds the accumulators. float32
@@ -1032,20 +1033,49 @@ inline void gemm_f32_tile(const float* x, int64_t x_row, int rows, const float* 
   }
 }
 
+template <class V, int MR>
+void panel_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias_p,
+                 int64_t K, float* y, int64_t N, int cols) {
+  for (int64_t m = 0; m < M; m += MR) {
+    const int rows = (int)std::min<int64_t>(MR, M - m);
+    gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols);
+  }
+}
+
+// y[:, n0 : n0 + cols] for one panel bp ([K][PW], packed) and all M rows of x. The
+// rows are split into tiles of at most kPackMR, as even as they go (16 rows: two of
+// 8), so no tile computes rows it throws away; the first tile reads the panel, the
+// later ones find it in L2 (K x PW floats: 72 KiB at K = 576, 192 KiB at K = 1536).
+void panel_product(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias,
+                   int64_t n0, int cols, int64_t K, float* y, int64_t N) {
+  using V = LinearVec;
+  constexpr int PW = 2 * V::W;
+  alignas(64) float bias_p[PW];
+  for (int j = 0; j < PW; ++j) bias_p[j] = j < cols && bias ? bias[n0 + j] : 0.0f;
+  const int64_t tiles = (M + kPackMR - 1) / kPackMR;
+  float* yp = y + n0;
+  switch ((M + tiles - 1) / tiles) {
+#define SPUR_PANEL_CASE(R) \
+  case R: panel_tiles<V, (R <= kPackMR ? R : kPackMR)>(x, x_row, M, bp, bias_p, K, yp, N, cols); break;
+    SPUR_PANEL_CASE(1) SPUR_PANEL_CASE(2) SPUR_PANEL_CASE(3) SPUR_PANEL_CASE(4)
+    SPUR_PANEL_CASE(5) SPUR_PANEL_CASE(6) SPUR_PANEL_CASE(7) SPUR_PANEL_CASE(8)
+    SPUR_PANEL_CASE(9) SPUR_PANEL_CASE(10) SPUR_PANEL_CASE(11)
+#undef SPUR_PANEL_CASE
+    default: panel_tiles<V, kPackMR>(x, x_row, M, bp, bias_p, K, yp, N, cols);
+  }
+}
+
 void linear_f32_packed(const float* x, const float* w, const float* bias, float* y, int64_t M,
                        int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
-  using V = LinearVec;
-  constexpr int MR = kPackMR, PW = 2 * V::W;
+  constexpr int PW = 2 * LinearVec::W;
   const int64_t panels = (N + PW - 1) / PW;
   at::parallel_for(0, panels, 1, [&](int64_t pb, int64_t pe) {
     std::vector<float> packed((size_t)K * PW);
-    alignas(64) float bias_p[PW];
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * PW;
       const int cols = (int)std::min<int64_t>(PW, N - n0);
       float* bp = packed.data();
       for (int j = 0; j < PW; ++j) {
-        bias_p[j] = j < cols && bias ? bias[n0 + j] : 0.0f;
         if (j < cols) {
           const float* wr = w + (n0 + j) * w_row;
           for (int64_t k = 0; k < K; ++k) bp[k * PW + j] = wr[k];
@@ -1053,54 +1083,25 @@ void linear_f32_packed(const float* x, const float* w, const float* bias, float*
           for (int64_t k = 0; k < K; ++k) bp[k * PW + j] = 0.0f;
         }
       }
-      for (int64_t m = 0; m < M; m += MR) {
-        const int rows = (int)std::min<int64_t>(MR, M - m);
-        gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N + n0, N, cols);
-      }
+      panel_product(x, x_row, M, bp, bias, n0, cols, K, y, N);
     }
   });
 }
 
-// The same tiles over weights packed once, at load (native.pack_linear_f32): panels [P, K, PW]
-// of PW = 2 x W columns, k-major, zeros past N. A decode step's rows (M <= 64) are
-// split into tiles of at most kPackMR, as even as they go (16 rows: two of 8), so no
-// tile computes rows it throws away. Each panel is read from memory once, in address
-// order (the hardware's stream prefetch runs ahead of it), and its later tiles find
-// it in L2 (K x PW floats: 72 KiB at K = 576, 192 KiB at K = 1536). No horizontal
-// sums: every FMA adds a broadcast x element times PW weights.
-template <class V, int MR>
-void panels_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias_p,
-                  int64_t K, float* y, int64_t N, int cols) {
-  for (int64_t m = 0; m < M; m += MR) {
-    const int rows = (int)std::min<int64_t>(MR, M - m);
-    gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols);
-  }
-}
-
+// The same panels packed once, at load (native.pack_linear_f32): [P, K, PW] of PW = 2 x
+// W columns, k-major, zeros past N; every row count (decode's and prefill's) reads
+// them. Each panel is read from memory once, in address order (the hardware's stream
+// prefetch runs ahead of it). No horizontal sums: every FMA adds a broadcast x
+// element times PW weights.
 void linear_f32_panels_typed(const float* x, const float* panels, const float* bias, float* y,
                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
-  using V = LinearVec;
-  constexpr int PW = 2 * V::W;
+  constexpr int PW = 2 * LinearVec::W;
   const int64_t P = (N + PW - 1) / PW;
-  const int64_t tiles = (M + kPackMR - 1) / kPackMR;
-  const int64_t mr = (M + tiles - 1) / tiles;
   parallel_blocks(P, 1, [&](int64_t pb, int64_t pe) {
-    alignas(64) float bias_p[PW];
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * PW;
-      const int cols = (int)std::min<int64_t>(PW, N - n0);
-      for (int j = 0; j < PW; ++j) bias_p[j] = j < cols && bias ? bias[n0 + j] : 0.0f;
-      const float* bp = panels + p * K * PW;
-      float* yp = y + n0;
-      switch (mr) {
-#define SPUR_PANEL_CASE(R) \
-  case R: panels_tiles<V, (R <= kPackMR ? R : kPackMR)>(x, x_row, M, bp, bias_p, K, yp, N, cols); break;
-        SPUR_PANEL_CASE(1) SPUR_PANEL_CASE(2) SPUR_PANEL_CASE(3) SPUR_PANEL_CASE(4)
-        SPUR_PANEL_CASE(5) SPUR_PANEL_CASE(6) SPUR_PANEL_CASE(7) SPUR_PANEL_CASE(8)
-        SPUR_PANEL_CASE(9) SPUR_PANEL_CASE(10) SPUR_PANEL_CASE(11)
-#undef SPUR_PANEL_CASE
-        default: panels_tiles<V, kPackMR>(x, x_row, M, bp, bias_p, K, yp, N, cols);
-      }
+      panel_product(x, x_row, M, panels + p * K * PW, bias, n0,
+                    (int)std::min<int64_t>(PW, N - n0), K, y, N);
     }
   });
 }

@@ -422,8 +422,8 @@ def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bi
     (native.LINEAR_F32_UNIT_ROWS): row chunks of 4, units of 3 (AVX2) or 4 (AVX-512)
     weight rows with a partial last one, K of one to 193 vectors; on AVX-512, K = 8 and
     1544 end with a masked half vector. Past it (65, 100, 300): the packed GEMM's
-    tiles of 6 or 12 rows with a partial last one, panels of 16 or 32 columns with a
-    partial one (17, 100) or only part of one (1, 7)."""
+    tiles of up to 6 or 12 rows split evenly (65 rows: 11 x 5 + 10 on AVX-512), panels
+    of 16 or 32 columns with a partial one (17, 100) or only part of one (1, 7)."""
     _linear_f32_lib(monkeypatch)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
