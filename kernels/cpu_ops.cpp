@@ -49,6 +49,7 @@
 #include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -894,6 +895,110 @@ void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
     }
   });
 }
+
+// The bf16 weights packed once at load (native.pack_linear_bf16): [P, K / 2, 32, 2],
+// panels of 32 output features holding K's pairs side by side (vdpbf16ps's operand
+// layout: one 512-bit load is 16 features x 2 consecutive k), zeros past N. A tile of
+// up to kBf16MR rows of x keeps 2 accumulators a row (16 features each) in registers;
+// per pair of k it loads the panel's two vectors once and adds, for every row, the
+// row's broadcast pair times them (2 vdpbf16ps a row). No horizontal sums and no x
+// vector loads, where small_linear's dot products spend a load of x per vdpbf16ps and
+// reduce 16 lanes per output. Exact bf16 products, float32 sums seeded with the bias,
+// one rounding at the end (vcvtneps2bf16, to nearest even); the order of the additions
+// differs from small_linear's and oneDNN's. Tiles of few rows have few independent
+// accumulators, so they split K in two halves with their own sums (KS), added at the end.
+constexpr int kBf16MR = 12;
+
+template <int MR, int KS>
+inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* bp,
+                           const float* bias_p, int64_t K, bf16* y, int64_t y_row, int cols,
+                           const bf16* next) {
+  __m512 c[KS][2 * MR];
+  const __m512 b0 = _mm512_load_ps(bias_p), b1 = _mm512_load_ps(bias_p + 16);
+  for (int i = 0; i < MR; ++i) c[0][2 * i] = b0, c[0][2 * i + 1] = b1;
+  for (int s = 1; s < KS; ++s)
+    for (int i = 0; i < 2 * MR; ++i) c[s][i] = _mm512_setzero_ps();
+  const bf16* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = x + (int64_t)std::min(i, rows - 1) * x_row;
+  const int64_t pairs = K / 2, part = (pairs + KS - 1) / KS;
+#pragma GCC unroll 4
+  for (int s = 0; s < KS; ++s) {
+    const int64_t pe = std::min(pairs, (s + 1) * part);
+    for (int64_t q = s * part; q < pe; ++q) {
+      const bf16* wq = bp + q * 64;
+      if (next != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64 + 32), _MM_HINT_T0);
+      }
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq));
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq + 32));
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xr[i] + 2 * q, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        c[s][2 * i] = _mm512_dpbf16_ps(c[s][2 * i], a, w0);
+        c[s][2 * i + 1] = _mm512_dpbf16_ps(c[s][2 * i + 1], a, w1);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    if (i >= rows) break;
+    __m512 lo = c[0][2 * i], hi = c[0][2 * i + 1];
+    for (int s = 1; s < KS; ++s) lo = _mm512_add_ps(lo, c[s][2 * i]), hi = _mm512_add_ps(hi, c[s][2 * i + 1]);
+    const __m512i out = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
+    if (cols == 32) {
+      _mm512_storeu_si512(reinterpret_cast<void*>(y + i * y_row), out);
+    } else {
+      alignas(64) bf16 tmp[32];
+      _mm512_store_si512(reinterpret_cast<void*>(tmp), out);
+      for (int j = 0; j < cols; ++j) y[i * y_row + j] = tmp[j];
+    }
+  }
+}
+
+template <int MR, int KS>
+void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
+                      const float* bias_p, int64_t K, bf16* y, int64_t N, int cols,
+                      const bf16* next) {
+  // The first tile streams the panel from memory. The last one asks for the next panel
+  // meanwhile, if there were tiles before it or it has 8 rows or more: a tile of fewer
+  // rows is bound by the stream itself, and a second one only competes with it
+  // (1.0-1.8x at 8-64 rows, 0.9x at 1-4 rows of K = 1536; BENCHMARKS.md, sixteenth round).
+  for (int64_t m = 0; m < M; m += MR) {
+    const int rows = (int)std::min<int64_t>(MR, M - m);
+    const bf16* pf = m + MR >= M && (m > 0 || rows >= 8) ? next : nullptr;
+    gemm_bf16_tile<MR, KS>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols, pf);
+  }
+}
+
+void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bias, bf16* y,
+                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
+  const int64_t P = (N + 31) / 32;
+  const int64_t tiles = (M + kBf16MR - 1) / kBf16MR;
+  const int mr = (int)((M + tiles - 1) / tiles);  // rows split into even tiles
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * 32;
+      const int cols = (int)std::min<int64_t>(32, N - n0);
+      alignas(64) float bias_p[32];
+      for (int j = 0; j < 32; ++j) bias_p[j] = j < cols && bias ? to_f(bias[n0 + j]) : 0.0f;
+      const bf16* bp = panels + p * K * 32;
+      const bf16* next = p + 1 < pe ? bp + K * 32 : nullptr;
+      bf16* yp = y + n0;
+      switch (mr) {
+#define SPUR_BF16_CASE(R, KS) \
+  case R: bf16_panel_tiles<R, KS>(x, x_row, M, bp, bias_p, K, yp, N, cols, next); break;
+        SPUR_BF16_CASE(1, 4) SPUR_BF16_CASE(2, 3) SPUR_BF16_CASE(3, 2) SPUR_BF16_CASE(4, 2)
+        SPUR_BF16_CASE(5, 1) SPUR_BF16_CASE(6, 1) SPUR_BF16_CASE(7, 1) SPUR_BF16_CASE(8, 1)
+        SPUR_BF16_CASE(9, 1) SPUR_BF16_CASE(10, 1) SPUR_BF16_CASE(11, 1)
+#undef SPUR_BF16_CASE
+        default: bf16_panel_tiles<kBf16MR, 1>(x, x_row, M, bp, bias_p, K, yp, N, cols, next);
+      }
+    }
+  });
+}
 #else
 constexpr bool kSmallLinear = false;
 constexpr int64_t kSmallLinearMaxRows = 0;
@@ -1207,6 +1312,33 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(kSmallLinear, "linear_bf16_panels: built without AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+                  x.size(0) >= 1 && x.size(1) % 2 == 0,
+              "linear_bf16_panels: x [M, K] bfloat16 with a unit inner stride and an even K");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.is_contiguous() && panels.size(0) == (n + 31) / 32 &&
+                  panels.size(1) == K / 2 && panels.size(2) == 32 && panels.size(3) == 2,
+              "linear_bf16_panels: panels [ceil(n / 32), K / 2, 32, 2] bfloat16, contiguous "
+              "(native.pack_linear_bf16's layout)");
+  const bf16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == n,
+                "linear_bf16_panels: bias [n] bfloat16");
+    b = bias->data_ptr<bf16>();
+  }
+  auto y = at::empty({M, n}, x.options());
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  linear_bf16_panels_typed(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(), M,
+                           n, K, x.stride(0));
+#endif
+  return y;
+}
+
 int64_t parallel_team(int64_t n) {
   std::vector<std::atomic<int>> seen(std::max<int64_t>(at::get_num_threads(), 1));
   for (auto& x : seen) x = 0;
@@ -1237,6 +1369,7 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_f32_panel_width() -> int", &linear_f32_panel_width);
   m.def("linear_f32_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("linear_bf16_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) kv_cache, "
       "Tensor slots, int num_heads, int num_kv_heads, int head_dim, int rotary_dim) -> Tensor");
@@ -1250,5 +1383,6 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_f32_panels", &linear_f32_panels);
+  m.impl("linear_bf16_panels", &linear_bf16_panels);
   m.impl("rope_store_kv", &rope_store_kv);
 }

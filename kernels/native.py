@@ -409,6 +409,89 @@ def linear_f32_panels(
     return ops().linear_f32_panels(x2, panels, bias, n).view(*x.shape[:-1], n)
 
 
+def bf16_panels_serve(flags: Iterable[str]) -> bool:
+    """Whether bf16 weights are packed (`pack_linear_bf16`) on a CPU with these flags, on
+    a build with AVX-512 BF16: not where it has AMX (`bf16_panels_here`)."""
+    return "amx_bf16" not in set(flags)
+
+
+def bf16_panels_here() -> bool:
+    """Whether bf16 linear weights are packed at load on this machine (`pack_linear_bf16`):
+    builds with AVX-512 BF16 on CPUs without AMX. There the panels beat both small_linear
+    and oneDNN's brgemm at every row count measured (BENCHMARKS.md, sixteenth round,
+    SmolLM2's shapes: 1.0-1.3x small_linear at 1-16 rows, 1.3-1.8x the better of the
+    two at 24-128, 1.03-1.25x oneDNN at 512). With AMX, oneDNN's tiles serve batches
+    past SMALL_LINEAR_AMX_ROWS, and the weights stay [N, K]."""
+    here = _state.get("bf16_panels_here")
+    if here is None:
+        lib = ops()
+        here = lib is not None and _built(lib, "small_linear")
+        here = _state["bf16_panels_here"] = here and bf16_panels_serve(_cpu_flags().split())
+    return here
+
+
+def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight [N, K]` bfloat16 as `linear_bf16_panels` reads it, packed once at load, or
+    None where that op does not serve it (not a CPU bf16 weight, K odd, a CPU with AMX
+    or without AVX-512 BF16: `bf16_panels_here`).
+
+    The layout: panels [ceil(N / 32), K / 2, 32, 2]: 32 output features a panel, each
+    holding K's consecutive pairs side by side (the operand layout of AVX-512 BF16's
+    dot product of pairs), zeros past N."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % 2 or not bf16_panels_here():
+        return None
+    panels = weight.new_zeros(-(-n // 32) * 32, k)
+    panels[:n] = weight
+    return panels.view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()  # [P, K/2, 32, 2]
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight packed for `linear_panels` (`pack_linear_f32` for float32,
+    `pack_linear_bf16` for bfloat16), or None where no panels op serves it here."""
+    if weight.dtype == torch.bfloat16:
+        return pack_linear_bf16(weight)
+    return pack_linear_f32(weight)
+
+
+def unpack_linear(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The [n, K] weight `pack_linear` packed into `panels` (a new tensor)."""
+    if panels.dim() == 4:  # bf16: [P, K / 2, 32, 2]
+        p, half, pw, _ = panels.shape
+        return panels.transpose(1, 2).reshape(p * pw, 2 * half)[:n].contiguous()
+    return unpack_linear_f32(panels, n)
+
+
+def linear_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids [n]` (int64, each in [0, N)) of the weight `pack_linear` packed into
+    `panels` -> [n, K]: an embedding lookup on a tied LM head's packed weight."""
+    if panels.dim() == 4:
+        return panels[ids // 32, :, ids % 32, :].flatten(1)
+    return linear_f32_panel_rows(panels, ids)
+
+
+def linear_panels(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """`F.linear(x, W, bias)` for the weight W [n, K] that `pack_linear` packed into
+    `panels`, at any row count, in W's dtype. x: [..., K] -> [..., n]. Under
+    `torch_linears` (benches: transformers' path) it unpacks W and runs `F.linear`."""
+    if panels.dim() != 4:
+        return linear_f32_panels(x, panels, bias, n)
+    k = 2 * panels.shape[1]
+    if _state.get("torch_linears"):
+        return torch.nn.functional.linear(x, unpack_linear(panels, n), bias)
+    rows = x.numel() // k if k else 0
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return ops().linear_bf16_panels(x2, panels, bias, n).view(*x.shape[:-1], n)
+
+
 @contextmanager
 def torch_linears() -> Iterator[None]:
     """Within it `small_linear` returns None in this process: every linear layer runs

@@ -162,10 +162,11 @@ class Worker:
         param_dtype = next(model.parameters()).dtype  # the served dtype (model.dtype)
         compute = self._compute_dtype(model, param_dtype)
         if self.device.type == "cpu":
-            packed, nbytes = pack_linears(model)  # float32 on CPUs where spur's linear serves
+            packed, nbytes = pack_linears(model)  # where native.pack_linear serves
             if packed:
                 logger.info(
-                    "float32 linears: %d weights packed for linear_f32_panels (%.1f MiB)",
+                    "%s linears: %d weights packed for native.linear_panels (%.1f MiB)",
+                    str(compute).removeprefix("torch."),
                     packed,
                     nbytes / 2**20,
                 )

@@ -506,6 +506,92 @@ def test_linear_f32_panels_shapes_and_refusals(monkeypatch):
         lib.linear_f32_panels(torch.randn(2, 64), panels, torch.randn(39), 40)
 
 
+def _bf16_panels_lib(monkeypatch):
+    """The build's ops with bf16 weights packed whatever the CPU (AMX ones keep [N, K]
+    weights: test_bf16_panels_are_not_packed_with_amx)."""
+    lib = _small_linear_lib()
+    monkeypatch.setitem(native._state, "bf16_panels_here", True)
+    return lib
+
+
+def _bf16_exact(x, w, b):
+    return x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 13, 16, 24, 25, 33, 64, 65, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(1, 2), (17, 64), (100, 576), (33, 1538)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16_panels_is_a_bf16_linear(
+    rows, out_features, in_features, with_bias, monkeypatch
+):
+    """The weight packed once (pack_linear_bf16) against float64 math rounded once to
+    bf16: within one bf16 step of it, and of F.linear (oneDNN's float32 sums). Tiles of
+    every size from 1 row to 12 (1-4 rows: K split in 4, 3 or 2 parts with their own
+    sums; 13 rows: two tiles of 7 and 6, the last prefetching the next panel; 25:
+    three), panels with a partial last one (17, 100, 33) or only part of one (1), K of
+    one pair to 769."""
+    _bf16_panels_lib(monkeypatch)
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    panels = native.pack_linear(w)
+    assert panels is not None and panels.dtype == torch.bfloat16
+    assert panels.shape == (-(-out_features // 32), in_features // 2, 32, 2)
+    assert torch.equal(native.unpack_linear(panels, out_features), w)
+    got = native.linear_panels(x, panels, b, out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    exact = _bf16_exact(x, w, b)
+    step = exact.abs().clamp_min(0.05) * 2**-7  # one bf16 step (8 significant bits)
+    assert ((got.double() - exact).abs() <= step).all()
+    torch_out = torch.nn.functional.linear(x, w, b).double()
+    assert ((got.double() - torch_out).abs() <= 2 * step).all()
+
+
+def test_linear_bf16_panels_shapes_and_refusals(monkeypatch):
+    lib = _bf16_panels_lib(monkeypatch)
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    panels = native.pack_linear(w)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    got = native.linear_panels(x, panels, None, 40)  # leading dims kept
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
+    assert native.linear_panels(x[:0], panels, None, 40).shape == (0, 3, 40)
+    strided = torch.randn(64, 5).to(torch.bfloat16).T  # non-unit inner stride: copied first
+    torch.testing.assert_close(
+        native.linear_panels(strided, panels, None, 40),
+        torch.nn.functional.linear(strided, w),
+        atol=0.05,
+        rtol=0.02,
+    )
+    with native.torch_linears():  # benches: torch's F.linear on the unpacked weight
+        assert torch.equal(
+            native.linear_panels(x, panels, None, 40), torch.nn.functional.linear(x, w)
+        )
+    ids = torch.tensor([0, 39, 31, 32, 5])  # a tied embedding's rows, across panels
+    assert torch.equal(native.linear_panel_rows(panels, ids), w[ids])
+    assert native.pack_linear(w[:, :63].contiguous()) is None  # K odd
+    assert native.pack_linear(w.to(torch.float16)) is None  # bf16 / float32 only
+    monkeypatch.setitem(native._state, "bf16_panels_here", False)
+    assert native.pack_linear(w) is None  # an AMX CPU or a build without AVX-512 BF16
+    with pytest.raises(RuntimeError, match="pack_linear_bf16"):
+        lib.linear_bf16_panels(x[0], panels, None, 80)  # n of another weight
+    with pytest.raises(RuntimeError, match="bias"):
+        lib.linear_bf16_panels(x[0], panels, torch.randn(39).to(torch.bfloat16), 40)
+    with pytest.raises(RuntimeError, match="even K"):
+        lib.linear_bf16_panels(torch.randn(2, 63).to(torch.bfloat16), panels, None, 40)
+
+
+def test_bf16_panels_are_not_packed_with_amx():
+    """With AMX oneDNN's tiles serve bf16 batches, so the weights stay [N, K]."""
+    assert native.bf16_panels_serve(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) is False
+    assert native.bf16_panels_serve(["avx512f", "avx512_bf16"]) is True
+    lib = native.ops()
+    if lib is None or not lib.small_linear_supported():  # no AVX-512 BF16: no panels op
+        assert native.bf16_panels_here() is False
+
+
 def test_linear_f32_keeps_leading_dims_and_leaves_other_cases_to_torch(monkeypatch):
     lib = _linear_f32_lib(monkeypatch)
     w = torch.randn(8, 64)

@@ -89,11 +89,49 @@ def test_unpacked_linears_restores_the_weights_for_a_while(panels_here):
 
 
 def test_other_dtypes_and_cpus_keep_their_weights(panels_here, monkeypatch):
+    monkeypatch.setitem(native._state, "bf16_panels_here", False)  # AMX, or no AVX-512 BF16
     layers = _layers(torch.bfloat16)
     assert pack_linears(layers) == (0, 0)
     assert all(m.weight_panels is None and m.weight.shape[0] > 0 for m in layers.values())
+    assert pack_linears(_layers(torch.float16)) == (0, 0)
     monkeypatch.setitem(native._state, "linear_f32_here", False)  # MKL serves float32
     assert pack_linears(_layers()) == (0, 0)
+
+
+@pytest.fixture
+def bf16_panels(monkeypatch):
+    """pack_linear_bf16 serving on this machine whatever its AMX (the rule:
+    tests/kernels/test_native.py)."""
+    lib = native.build()
+    if not lib.small_linear_supported():
+        pytest.skip("bf16 panels need AVX-512 BF16; this CPU has none")
+    monkeypatch.setitem(native._state, "bf16_panels_here", True)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 70])
+def test_packed_bf16_layers_compute_what_they_did(bf16_panels, rows):
+    """bf16 weights packed in pairs: the layers' outputs within one bf16 step of float64
+    math on the same weights (one rounding, as torch's bf16 matmul)."""
+    layers = _layers(torch.bfloat16)
+    weights = {name: m.weight.detach().clone() for name, m in layers.items()}
+    biases = {name: getattr(m, "bias", None) for name, m in layers.items()}
+    x64 = torch.randn(rows, 64).to(torch.bfloat16)
+    x40 = torch.randn(rows, 40).to(torch.bfloat16)
+    packed, nbytes = pack_linears(layers)
+    assert packed == 3
+    assert nbytes == 2 * sum(-(-w.shape[0] // 32) * 32 * w.shape[1] for w in weights.values())
+    for name, m in layers.items():
+        assert m.weight.shape == (0, weights[name].shape[1]) and m.weight_panels is not None
+    for (name, x), got in zip(
+        [("col", x64), ("qkv", x64), ("row", x40)], _outputs(layers, x64, x40), strict=True
+    ):
+        b = biases[name]
+        exact = x.double() @ weights[name].double().T + (b.double() if b is not None else 0.0)
+        step = exact.abs().clamp_min(0.05) * 2**-7  # one bf16 step
+        assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= step).all()
+    with unpacked_linears(layers):
+        for name, m in layers.items():
+            assert torch.equal(m.weight, weights[name])
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied"])
@@ -138,3 +176,37 @@ def test_worker_packs_float32_linears_at_load(panels_here, tiny_model_dir, name)
     # the engine bench's ceiling times torch's F.linear on [N, K] weights, then packs back
     assert runner.time_matmuls([(4, 4, 1)], repeats=1, torch_path=True) > 0
     assert all(m.weight_panels is not None for m in [*linears, head])
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_worker_packs_bf16_linears_at_load(bf16_panels, tiny_model_dir, name):
+    """bf16 too: every linear and the LM head packed in pairs, a tied embedding reading
+    the head's panels; the same greedy tokens as the [N, K] weights (torch's bf16
+    matmul), logprobs within bf16 rounding (the sums' order differs)."""
+    from spur.actors.llm import LLM
+    from spur.actors.step import SamplingParams
+    from spur.actors.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    llm = LLM(str(tiny_model_dir(name)), dtype="bfloat16", block_size=4)
+    model = llm.executor.worker.runner.model
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    embed = next(
+        m
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    )
+    linears = [
+        m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+    assert all(m.weight_panels is not None for m in [*linears, head])
+    assert head.weight_panels.dtype == torch.bfloat16 and head.weight_panels.dim() == 4
+    assert (embed.weight_panels is head.weight_panels) == (name == "llama_tied")
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3, 11]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    packed = llm.generate(prompts, params)
+    with unpacked_linears(model), native.torch_linears():
+        plain = llm.generate(prompts, params)
+    for a, b in zip(packed, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.sampled == pytest.approx(y.sampled, abs=0.05)

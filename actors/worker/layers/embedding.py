@@ -72,7 +72,7 @@ class VocabParallelEmbedding(PackedWeight, nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids [n]` of this rank's weight -> [n, dim]."""
         if self.weight_panels is not None:
-            return native.linear_f32_panel_rows(self.weight_panels, ids)
+            return native.linear_panel_rows(self.weight_panels, ids)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

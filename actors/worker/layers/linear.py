@@ -64,9 +64,10 @@ def _new_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
 
 
 class PackedWeight:
-    """A layer whose float32 weight can be packed once, after loading, into the panels
-    `native.linear_f32_panels` reads (`native.pack_linear_f32`: CPUs where spur's
-    float32 linear serves, not MKL's). The packed copy replaces the weight: `weight`
+    """A layer whose weight can be packed once, after loading, into the panels
+    `native.linear_panels` reads (`native.pack_linear`: float32 on CPUs where spur's
+    float32 linear serves, not MKL's; bfloat16 on CPUs with AVX-512 BF16 and no AMX).
+    The packed copy replaces the weight: `weight`
     becomes an empty [0, in_features] parameter (memory is not doubled) and every row
     count runs on the panels. `unpacked_linears` restores the [N, K] weights for a
     while (benches timing torch's own path).
@@ -84,7 +85,7 @@ class PackedWeight:
         """Pack the weight if the native op serves it; returns the packed bytes (0: not packed)."""
         if self.weight_panels is not None:
             return 0
-        panels = native.pack_linear_f32(self.weight)
+        panels = native.pack_linear(self.weight)
         if panels is None:
             return 0
         n, k = self.weight.shape
@@ -97,13 +98,13 @@ class PackedWeight:
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T + bias [..., out] on this rank's weight."""
         if self.weight_panels is not None:
-            return native.linear_f32_panels(x, self.weight_panels, bias, self.packed_out_features)
+            return native.linear_panels(x, self.weight_panels, bias, self.packed_out_features)
         y = native.small_linear(x, self.weight, bias)  # decode row counts (native.py)
         return F.linear(x, self.weight, bias) if y is None else y
 
 
 def pack_linears(model: nn.Module) -> tuple[int, int]:
-    """Pack every layer weight that `native.linear_f32_panels` serves
+    """Pack every layer weight that `native.linear_panels` serves
     (`PackedWeight.pack_weight`): the linear layers, the LM head, and the token
     embedding tied to it (one packed copy for both). Returns (weights packed, bytes).
     Call once, after loading and after any dtype change."""
@@ -137,7 +138,7 @@ def unpacked_linears(model: nn.Module) -> Iterator[None]:
     saved = [(m.weight, m.weight_panels) for m in packed]
     for m in packed:
         m.weight = nn.Parameter(
-            native.unpack_linear_f32(m.weight_panels, m.packed_out_features), requires_grad=False
+            native.unpack_linear(m.weight_panels, m.packed_out_features), requires_grad=False
         )
         m.weight_panels = None
     try:
