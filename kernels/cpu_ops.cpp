@@ -21,7 +21,8 @@
 //       block_size, Hkv, D] views; tables [N, W] int32; rows, firsts, lens [N]
 //       int32. Decode i: query row rows[i] attends to positions [firsts[i], lens[i])
 //       of its context through table row i; writes out[rows[i]] only. lanes: the
-//       path, one of decode_lanes() (0: the widest; tests and benches pick others).
+//       path, one of decode_lanes() (0: the widest; tests and benches pick others);
+//       16 with bf16 q and cache is attend_bf16 on AVX-512 BF16 builds.
 //   fused_add_rms_norm(x, residual, weight, eps) -> (norm(x + residual), x + residual)
 //   rms_norm(x, weight, eps) -> norm(x)
 //   silu_and_mul(x [n, 2d]) -> silu(x[:, :d]) * x[:, d:]            [n, d]
@@ -35,6 +36,9 @@
 //   linear_f32_panels(x [M, K], panels [ceil(n / PW), K, PW], bias [n]?, n) -> [M, n]
 //       the same over the weight packed once at load (native.pack_linear_f32);
 //       linear_f32_panel_width() says PW (32 on AVX-512 builds, 16 on AVX2).
+//   linear_bf16_panels(x [M, K], panels [ceil(n / 32), K / 2, 32, 2], bias [n]?, n)
+//       -> [M, n] bfloat16, any M, K even, AVX-512 BF16 builds: the bf16 weight
+//       packed once at load in pairs (native.pack_linear_bf16); one rounding.
 // Each rounds where its torch reference rounds (bf16: after every op), so bf16
 // results equal the reference up to float32 summation order.
 
@@ -392,6 +396,133 @@ void attend_simd(const QO* __restrict q, QO* __restrict o, const KV* __restrict 
 }
 #endif
 
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+// 16 bf16 at p as float; 16 floats rounded to bf16 (to nearest even, as torch's
+// .to(bfloat16); vcvtneps2bf16 flushes denormals to zero).
+inline __m512 load_bf16(const bf16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline void store_bf16(bf16* p, __m256i h) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+}
+#endif
+
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+// for_each_block_run for attend_bf16: prefetches the block two ahead (one ahead was
+// not enough to cover memory's latency: 1.30 vs 1.21 ms a layer at 61 decodes, separate
+// runs), and
+// with `other` (the V cache, during the K pass) this block's rows of it, so that the
+// V pass finds them in cache.
+template <typename Run>
+inline void block_runs_ahead(const bf16* base, const bf16* other, int64_t s_blk, int64_t s_off,
+                             const int32_t* table, int32_t first, int32_t width, int32_t bs,
+                             int32_t span, int32_t max_run, Run&& run) {
+  constexpr int32_t kAhead = 2;
+  const int32_t end = first + width, b0 = first / bs, blocks = (end + bs - 1) / bs;
+  for (int32_t b = b0; b < std::min(b0 + kAhead, blocks); ++b)
+    prefetch_rows(base + (int64_t)table[b] * s_blk, s_off, bs, span);
+  for (int32_t b = b0, t = 0; t < width; ++b) {
+    if (b + kAhead < blocks) prefetch_rows(base + (int64_t)table[b + kAhead] * s_blk, s_off, bs, span);
+    if (other != nullptr) prefetch_rows(other + (int64_t)table[b] * s_blk, s_off, bs, span);
+    const bf16* blk = base + (int64_t)table[b] * s_blk;
+    int32_t lo = (b == b0) ? first % bs : 0;
+    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
+    while (lo < hi) {
+      const int32_t n = std::min<int32_t>(max_run, hi - lo);
+      run(blk + (int64_t)lo * s_off, n, t);
+      lo += n;
+      t += n;
+    }
+  }
+}
+
+// The path of bf16 queries on a bf16 cache (head_dim 64 or 128, AVX-512 BF16 builds,
+// lanes 16). K: the scores are dot products of pairs (vdpbf16ps) of the query's bf16
+// values and the K rows as stored: exact products, float32 sums, scaled after the sum;
+// no widening into a scratch and no float copy of q (attend_simd widens every K row
+// to float first and reloads it per query head). A run of up to 16 rows' 16 lane
+// vectors become their scores with one Vec512::sums. V: each row is widened in
+// registers and added into the float32 sums of the query heads of its KV head (up to
+// 16 vectors, loaded and stored once a run). One pass over the window for K and one for
+// V, each reading every KV head of a row. Same math as `attend` (float32 softmax and
+// sums), up to the order of the additions. 1.7x attend_simd with the cache in L3, 1.1-1.2x
+// from memory (BENCHMARKS.md, sixteenth round), where the rows' reads bound both.
+template <int D>
+void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __restrict k,
+                 const bf16* __restrict v, int64_t s_blk, int64_t s_off, int64_t s_head,
+                 const int32_t* table, int32_t first, int32_t width, int32_t bs, int32_t H,
+                 int32_t G, float scale, float* __restrict scores, float* __restrict acc) {
+  constexpr int C = D / 32;    // vectors of 32 bf16 per row (K)
+  constexpr int CV = D / 16;   // vectors of 16 floats per row (V)
+  constexpr int GB = 16 / CV;  // query heads whose V sums fit 16 registers
+  const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
+  const __m512 sv = _mm512_set1_ps(scale);
+  block_runs_ahead(k, v, s_blk, s_off, table, first, width, bs, span, 16,
+                   [&](const bf16* r0, int32_t n, int32_t t) {
+    for (int32_t h = 0; h < H; ++h) {
+      const bf16* rh = r0 + (int64_t)h * s_head;
+      for (int32_t g = h * G; g < h * G + G; ++g) {
+        __m512bh qv[C];
+        for (int c = 0; c < C; ++c)
+          qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + g * D + 32 * c));
+        __m512 a[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          if (j < n) {
+            const bf16* r = rh + (int64_t)j * s_off;
+            __m512 s = _mm512_setzero_ps();
+            for (int c = 0; c < C; ++c)
+              s = _mm512_dpbf16_ps(
+                  s, qv[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(r + 32 * c)));
+            a[j] = s;
+          } else {
+            a[j] = _mm512_setzero_ps();
+          }
+        }
+        Vec512::store_first(scores + (int64_t)g * width + t, _mm512_mul_ps(Vec512::sums(a), sv), n);
+      }
+    }
+  });
+  softmax_rows(scores, H * G, width);
+  for (int64_t x = 0; x < (int64_t)H * G * D; ++x) acc[x] = 0.0f;
+  block_runs_ahead(v, nullptr, s_blk, s_off, table, first, width, bs, span, bs,
+                   [&](const bf16* r0, int32_t n, int32_t t) {
+    for (int32_t h = 0; h < H; ++h) {
+      const bf16* rh = r0 + (int64_t)h * s_head;
+      for (int32_t g0 = h * G; g0 < h * G + G; g0 += GB) {
+        const int32_t ng = std::min<int32_t>(GB, h * G + G - g0);
+        __m512 av[GB][CV];
+#pragma GCC unroll 16
+        for (int gi = 0; gi < GB; ++gi)
+          for (int c = 0; c < CV; ++c)
+            av[gi][c] = gi < ng ? _mm512_loadu_ps(acc + (int64_t)(g0 + gi) * D + 16 * c)
+                                : _mm512_setzero_ps();
+        for (int32_t j = 0; j < n; ++j) {
+          const bf16* r = rh + (int64_t)j * s_off;
+          __m512 vr[CV];
+          for (int c = 0; c < CV; ++c) vr[c] = load_bf16(r + 16 * c);
+#pragma GCC unroll 16
+          for (int gi = 0; gi < GB; ++gi) {
+            if (gi >= ng) break;
+            const __m512 w = _mm512_set1_ps(scores[(int64_t)(g0 + gi) * width + t + j]);
+            for (int c = 0; c < CV; ++c) av[gi][c] = _mm512_fmadd_ps(w, vr[c], av[gi][c]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int gi = 0; gi < GB; ++gi) {
+          if (gi >= ng) break;
+          for (int c = 0; c < CV; ++c)
+            _mm512_storeu_ps(acc + (int64_t)(g0 + gi) * D + 16 * c, av[gi][c]);
+        }
+      }
+    }
+  });
+  for (int64_t x = 0; x < (int64_t)H * G * D; x += 16)
+    store_bf16(o + x, to_bf16(_mm512_loadu_ps(acc + x)));
+}
+#endif
+
 template <typename KV, typename QO>
 void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& kc,
                   const at::Tensor& vc, const at::Tensor& tables, const at::Tensor& rows,
@@ -436,6 +567,21 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
       const int64_t row = rp[i];
       const int32_t* table = tp + i * t_row;
       const int32_t first = fp[i], width = lp[i] - fp[i];
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<KV, bf16> && std::is_same_v<QO, bf16>) {
+        if ((D == 64 || D == 128) && lanes == 16) {
+          const QO* qi = qp + row * q_row;
+          QO* oi = op + row * o_row;
+          if (D == 64)
+            attend_bf16<64>(qi, oi, kp, vp, s_blk, s_off, s_head, table, first, width, bs,
+                            Hkv, G, (float)scale, scores.data(), acc.data());
+          else
+            attend_bf16<128>(qi, oi, kp, vp, s_blk, s_off, s_head, table, first, width, bs,
+                             Hkv, G, (float)scale, scores.data(), acc.data());
+          continue;
+        }
+      }
+#endif
 #ifdef SPUR_SIMD
       if ((D == 64 || D == 128) && lanes > 1) {
         const auto simd = [&](auto vec) {
@@ -546,17 +692,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
 //
 // Reference (layers/norm.py): s = x + residual (in x's dtype); xf = float(s);
 // y = weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype). One pass per row.
-#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
-// 16 bf16 at p as float; 16 floats rounded to bf16 (to nearest even, as torch's
-// .to(bfloat16); vcvtneps2bf16 flushes denormals to zero).
-inline __m512 load_bf16(const bf16* p) {
-  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline void store_bf16(bf16* p, __m256i h) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-}
-#endif
 
 // One row of rms_rows for bf16 on AVX-512 BF16 builds, 16 features a step (the scalar
 // loop's conversions do not vectorize): the same roundings, the sum of squares in 16

@@ -3,9 +3,12 @@
 `cpu_ops.cpp` holds the ops of the CPU serving path that torch composes from many
 small kernels (see its header): paged decode attention reading K/V in place through
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
-with the KV store, and a bf16 linear for decode steps of up to 16 rows (`small_linear`:
-AVX-512 BF16 dot products, each weight row read once; torch's bf16 matmul reads its
-weights at half the memory's rate at these sizes), and a float32 linear for any number of rows on
+with the KV store, and linears: on weights packed once at load, bf16 on CPUs with
+AVX-512 BF16 and no AMX (`linear_bf16_panels`: pairs for vdpbf16ps) and float32 on
+AVX-512 CPUs other than Intel's (`linear_f32_panels`), at any row count; on [N, K]
+weights, a bf16 linear for decode steps of up to 16 rows (`small_linear`: AVX-512
+BF16 dot products, each weight row read once; torch's bf16 matmul reads its weights at
+half the memory's rate at these sizes) and a float32 one for any number of rows on
 CPUs other than Intel's (`linear_f32`, AVX2 or AVX-512: there MKL's sgemm is slow,
 most at decode's row counts).
 They are registered as `torch.ops.spur_cpu.*`
