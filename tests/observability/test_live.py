@@ -211,9 +211,12 @@ def _while_running(
 
 def test_preemption_storm(obs_server: Server, prom: Prometheus) -> None:
     """16 long requests on the chat engine's 96-block pool: preemptions rise, and a
-    correct engine stays truthful under pressure (held == geometry, no leak)."""
+    correct engine stays truthful under pressure (held == geometry, no leak). Each
+    request grows to 22 blocks (44 prompt + 300 output tokens), so any 5 running at
+    once overflow the pool: with 100 output tokens (9 blocks) it took 11, and on a
+    busy machine the tiny model finished the first requests before the last arrived."""
     before = prom.value(f"sum(vllm:num_preemptions_total{CHAT})") or 0.0
-    assert _burst(obs_server, "chat", 16, 100) == [200] * 16
+    assert _burst(obs_server, "chat", 16, 300) == [200] * 16
     prom.wait(
         "num_preemptions rose",
         lambda: (prom.value(f"sum(vllm:num_preemptions_total{CHAT})") or 0) > before,
