@@ -138,16 +138,22 @@ inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D
 // Calls run(first row, n, t) for the runs of n <= max_run consecutive rows of one
 // block that cover positions first + t, t in [0, width), of one head's K or V cache
 // through the block table. Block by block: a block's rows are s_off apart, so no
-// division per position; the next block is prefetched before this one is used.
-template <typename KV, typename Run>
+// division per position; the block AHEAD blocks on is prefetched (`span` elements of
+// each row) before this one is used, and with `other` (attend_bf16's V cache during
+// its K pass) this block's rows of it too.
+template <int AHEAD = 1, typename KV, typename Run>
 inline void for_each_block_run(const KV* base, int64_t s_blk, int64_t s_off,
                                const int32_t* table, int32_t first, int32_t width, int32_t bs,
-                               int32_t D, int32_t max_run, Run&& run) {
-  const int32_t end = first + width;
-  for (int32_t b = first / bs, t = 0; t < width; ++b) {
+                               int32_t span, int32_t max_run, Run&& run,
+                               const KV* other = nullptr) {
+  const int32_t end = first + width, b0 = first / bs, blocks = (end + bs - 1) / bs;
+  for (int32_t b = b0; AHEAD > 1 && b < std::min(b0 + AHEAD, blocks); ++b)
+    prefetch_rows(base + (int64_t)table[b] * s_blk, s_off, bs, span);
+  for (int32_t b = b0, t = 0; t < width; ++b) {
     const KV* blk = base + (int64_t)table[b] * s_blk;
-    if (t + bs < width) prefetch_rows(base + (int64_t)table[b + 1] * s_blk, s_off, bs, D);
-    int32_t lo = (b == first / bs) ? first % bs : 0;
+    if (b + AHEAD < blocks) prefetch_rows(base + (int64_t)table[b + AHEAD] * s_blk, s_off, bs, span);
+    if (other != nullptr) prefetch_rows(other + (int64_t)table[b] * s_blk, s_off, bs, span);
+    int32_t lo = (b == b0) ? first % bs : 0;
     const int32_t hi = std::min<int32_t>(bs, end - b * bs);
     while (lo < hi) {
       const int32_t n = std::min<int32_t>(max_run, hi - lo);
@@ -409,34 +415,6 @@ inline void store_bf16(bf16* p, __m256i h) {
 #endif
 
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
-// for_each_block_run for attend_bf16: prefetches the block two ahead (one ahead was
-// not enough to cover memory's latency: 1.30 vs 1.21 ms a layer at 61 decodes, separate
-// runs), and
-// with `other` (the V cache, during the K pass) this block's rows of it, so that the
-// V pass finds them in cache.
-template <typename Run>
-inline void block_runs_ahead(const bf16* base, const bf16* other, int64_t s_blk, int64_t s_off,
-                             const int32_t* table, int32_t first, int32_t width, int32_t bs,
-                             int32_t span, int32_t max_run, Run&& run) {
-  constexpr int32_t kAhead = 2;
-  const int32_t end = first + width, b0 = first / bs, blocks = (end + bs - 1) / bs;
-  for (int32_t b = b0; b < std::min(b0 + kAhead, blocks); ++b)
-    prefetch_rows(base + (int64_t)table[b] * s_blk, s_off, bs, span);
-  for (int32_t b = b0, t = 0; t < width; ++b) {
-    if (b + kAhead < blocks) prefetch_rows(base + (int64_t)table[b + kAhead] * s_blk, s_off, bs, span);
-    if (other != nullptr) prefetch_rows(other + (int64_t)table[b] * s_blk, s_off, bs, span);
-    const bf16* blk = base + (int64_t)table[b] * s_blk;
-    int32_t lo = (b == b0) ? first % bs : 0;
-    const int32_t hi = std::min<int32_t>(bs, end - b * bs);
-    while (lo < hi) {
-      const int32_t n = std::min<int32_t>(max_run, hi - lo);
-      run(blk + (int64_t)lo * s_off, n, t);
-      lo += n;
-      t += n;
-    }
-  }
-}
-
 // The path of bf16 queries on a bf16 cache (head_dim 64 or 128, AVX-512 BF16 builds,
 // lanes 16). K: the scores are dot products of pairs (vdpbf16ps) of the query's bf16
 // values and the K rows as stored: exact products, float32 sums, scaled after the sum;
@@ -458,8 +436,10 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
   constexpr int GB = 16 / CV;  // query heads whose V sums fit 16 registers
   const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
   const __m512 sv = _mm512_set1_ps(scale);
-  block_runs_ahead(k, v, s_blk, s_off, table, first, width, bs, span, 16,
-                   [&](const bf16* r0, int32_t n, int32_t t) {
+  // two blocks ahead: one was not enough to cover memory's latency (1.30 vs 1.21 ms a
+  // layer at 61 decodes, separate runs)
+  for_each_block_run<2>(k, s_blk, s_off, table, first, width, bs, span, 16,
+                        [&](const bf16* r0, int32_t n, int32_t t) {
     for (int32_t h = 0; h < H; ++h) {
       const bf16* rh = r0 + (int64_t)h * s_head;
       for (int32_t g = h * G; g < h * G + G; ++g) {
@@ -483,11 +463,11 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
         Vec512::store_first(scores + (int64_t)g * width + t, _mm512_mul_ps(Vec512::sums(a), sv), n);
       }
     }
-  });
+  }, v);  // this block's V rows too, for the V pass
   softmax_rows(scores, H * G, width);
   for (int64_t x = 0; x < (int64_t)H * G * D; ++x) acc[x] = 0.0f;
-  block_runs_ahead(v, nullptr, s_blk, s_off, table, first, width, bs, span, bs,
-                   [&](const bf16* r0, int32_t n, int32_t t) {
+  for_each_block_run<2>(v, s_blk, s_off, table, first, width, bs, span, bs,
+                        [&](const bf16* r0, int32_t n, int32_t t) {
     for (int32_t h = 0; h < H; ++h) {
       const bf16* rh = r0 + (int64_t)h * s_head;
       for (int32_t g0 = h * G; g0 < h * G + G; g0 += GB) {

@@ -400,16 +400,24 @@ def linear_f32_panels(
     """`F.linear(x, W, bias)` for the float32 weight W [n, K] that `pack_linear_f32`
     packed into `panels`, at any row count. x: [..., K] float32 -> [..., n]. Under
     `torch_linears` (benches: transformers' path) it unpacks W and runs `F.linear`."""
-    k = panels.shape[1]
-    rows = x.numel() // k if k else 0
+    return _on_panels("linear_f32_panels", x, panels, bias, n)
+
+
+def _on_panels(
+    op: str, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x [..., K] as rows [M, K] with a unit inner stride through the panels op `op`
+    -> [..., n]; `F.linear` on the unpacked weight under `torch_linears`."""
     if _state.get("torch_linears"):
-        return torch.nn.functional.linear(x, unpack_linear_f32(panels, n), bias)
+        return torch.nn.functional.linear(x, unpack_linear(panels, n), bias)
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
     if rows == 0:
         return x.new_empty(*x.shape[:-1], n)
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return ops().linear_f32_panels(x2, panels, bias, n).view(*x.shape[:-1], n)
+    return getattr(ops(), op)(x2, panels, bias, n).view(*x.shape[:-1], n)
 
 
 def bf16_panels_serve(flags: Iterable[str]) -> bool:
@@ -481,18 +489,8 @@ def linear_panels(
     """`F.linear(x, W, bias)` for the weight W [n, K] that `pack_linear` packed into
     `panels`, at any row count, in W's dtype. x: [..., K] -> [..., n]. Under
     `torch_linears` (benches: transformers' path) it unpacks W and runs `F.linear`."""
-    if panels.dim() != 4:
-        return linear_f32_panels(x, panels, bias, n)
-    k = 2 * panels.shape[1]
-    if _state.get("torch_linears"):
-        return torch.nn.functional.linear(x, unpack_linear(panels, n), bias)
-    rows = x.numel() // k if k else 0
-    if rows == 0:
-        return x.new_empty(*x.shape[:-1], n)
-    x2 = x.reshape(rows, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return ops().linear_bf16_panels(x2, panels, bias, n).view(*x.shape[:-1], n)
+    op = "linear_bf16_panels" if panels.dim() == 4 else "linear_f32_panels"
+    return _on_panels(op, x, panels, bias, n)
 
 
 @contextmanager
