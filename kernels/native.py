@@ -430,8 +430,8 @@ def bf16_panels_here() -> bool:
     """Whether bf16 linear weights are packed at load on this machine (`pack_linear_bf16`):
     builds with AVX-512 BF16 on CPUs without AMX. There the panels beat both small_linear
     and oneDNN's brgemm at every row count measured (BENCHMARKS.md, sixteenth round,
-    SmolLM2's shapes: 1.0-1.3x small_linear at 1-16 rows, 1.3-1.8x the better of the
-    two at 24-128, 1.03-1.25x oneDNN at 512). With AMX, oneDNN's tiles serve batches
+    SmolLM2's shapes at 1-512 rows: 0.99-2.11x the better of the two, 1.64-2.11x at 32
+    rows). With AMX, oneDNN's tiles serve batches
     past SMALL_LINEAR_AMX_ROWS, and the weights stay [N, K]."""
     here = _state.get("bf16_panels_here")
     if here is None:
