@@ -14,6 +14,7 @@ nodes for good.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from e2e.conftest import build_tiny_model, free_port
 
@@ -423,16 +425,33 @@ def _busiest(env: Env, candidates: list[str]) -> str | None:
     return max(running, key=running.__getitem__) if running else None
 
 
+def _lose_node(env: Env, name: str) -> None:
+    """Take node `name` away as a power loss would: SIGKILL its raylet's worker
+    processes (the replicas' actors), then remove the node. `remove_node` alone kills
+    the raylet but not its workers: they notice about a second later, and a replica
+    that outlives its raylet can still finish the short streams it holds (CI saw
+    16 requests cross a removal with no failure and no retry)."""
+    from ray._private import ray_constants
+
+    node = env.nodes.pop(name)
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    workers = psutil.Process(raylet).children(recursive=True)
+    for proc in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    env.cluster.remove_node(node, allow_graceful=False)
+    psutil.wait_procs(workers, timeout=30)
+
+
 def _run_with_removal(
     env: Env, candidates: list[str], n: int, after: int
 ) -> tuple[list[dict[str, Any]], float, str]:
     """Run `n` requests at concurrency 16; once `after` started, remove whichever of
     the `candidates` nodes is serving requests (prefix affinity may keep all traffic
     on one replica: removing an idle one would test nothing).
-    The node is killed, not shut down: a graceful removal (SIGTERM to its raylet)
-    lets the replica finish the streams it holds before it exits, and then no
-    request sees the failure this tests (CI saw exactly that: 16 requests in flight,
-    none disrupted, no failure counted).
+    The node is killed, not shut down (`_lose_node`): a graceful removal (SIGTERM
+    to its raylet) lets the replica finish the streams it holds before it exits,
+    and then no request sees the failure this tests.
     Returns the results, the time the removal began and the node removed."""
     started: list[float] = []
     removed: list[tuple[float, str]] = []
@@ -446,9 +465,7 @@ def _run_with_removal(
                 assert time.monotonic() < deadline, f"no replica on {candidates} ran requests"
                 await asyncio.sleep(0.1)
             removed.append((time.monotonic(), node))
-            await asyncio.to_thread(
-                env.cluster.remove_node, env.nodes.pop(node), allow_graceful=False
-            )
+            await asyncio.to_thread(_lose_node, env, node)
 
         task = asyncio.create_task(remover())
         results = await _load(env.url, n, 16, 16, started)
