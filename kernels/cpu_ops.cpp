@@ -139,20 +139,18 @@ inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D
 // block that cover positions first + t, t in [0, width), of one head's K or V cache
 // through the block table. Block by block: a block's rows are s_off apart, so no
 // division per position; the block AHEAD blocks on is prefetched (`span` elements of
-// each row) before this one is used, and with `other` (attend_bf16's V cache during
-// its K pass) this block's rows of it too.
+// each row) before this one is used (AHEAD 0: none; the caller prefetches).
 template <int AHEAD = 1, typename KV, typename Run>
 inline void for_each_block_run(const KV* base, int64_t s_blk, int64_t s_off,
                                const int32_t* table, int32_t first, int32_t width, int32_t bs,
-                               int32_t span, int32_t max_run, Run&& run,
-                               const KV* other = nullptr) {
+                               int32_t span, int32_t max_run, Run&& run) {
   const int32_t end = first + width, b0 = first / bs, blocks = (end + bs - 1) / bs;
   for (int32_t b = b0; AHEAD > 1 && b < std::min(b0 + AHEAD, blocks); ++b)
     prefetch_rows(base + (int64_t)table[b] * s_blk, s_off, bs, span);
   for (int32_t b = b0, t = 0; t < width; ++b) {
     const KV* blk = base + (int64_t)table[b] * s_blk;
-    if (b + AHEAD < blocks) prefetch_rows(base + (int64_t)table[b + AHEAD] * s_blk, s_off, bs, span);
-    if (other != nullptr) prefetch_rows(other + (int64_t)table[b] * s_blk, s_off, bs, span);
+    if (AHEAD > 0 && b + AHEAD < blocks)
+      prefetch_rows(base + (int64_t)table[b + AHEAD] * s_blk, s_off, bs, span);
     int32_t lo = (b == b0) ? first % bs : 0;
     const int32_t hi = std::min<int32_t>(bs, end - b * bs);
     while (lo < hi) {
@@ -425,7 +423,64 @@ inline void store_bf16(bf16* p, __m256i h) {
 // 16 vectors, loaded and stored once a run). One pass over the window for K and one for
 // V, each reading every KV head of a row. Same math as `attend` (float32 softmax and
 // sums), up to the order of the additions. 1.7x attend_simd with the cache in L3, 1.1-1.2x
-// from memory (BENCHMARKS.md, sixteenth round), where the rows' reads bound both.
+// from memory (BENCHMARKS.md, sixteenth round); with the K pass feeding its prefetches
+// (LineFeed) 1.3x more from memory (0.65 vs 0.85 ms a layer at 61 decodes, seventeenth).
+// The cache lines of one context's blocks, K rows then V rows block by block, issued
+// as prefetches a few at a time by feed(n) between the computation. A block's ~200
+// lines prefetched at once (prefetch_rows) stall the core: each waits for a free miss
+// buffer, and the arithmetic queued behind them waits too, so a context's time was
+// its memory time plus its arithmetic (BENCHMARKS.md, seventeenth round). Fed in
+// small doses the arithmetic runs while the lines arrive. A segment is a contiguous
+// byte range: all of a block's K (or V) rows when they are contiguous (the pool's
+// [blocks, block_size, kv_heads, head_dim] layout), one row's `span` otherwise.
+template <typename KV>
+struct LineFeed {
+  const char* k;
+  const char* v;
+  const int32_t* table;
+  int64_t blk_bytes, row_stride, seg_bytes;
+  int32_t segs, b, end;
+  const char* cur = nullptr;
+  const char* seg_end = nullptr;
+  int32_t seg = 0, part = 0;  // part 0: the block's K rows, 1: its V rows
+  LineFeed(const KV* k_, const KV* v_, const int32_t* table_, int64_t s_blk, int64_t s_off,
+           int32_t span, int32_t bs, int32_t b0, int32_t blocks)
+      : k(reinterpret_cast<const char*>(k_)), v(reinterpret_cast<const char*>(v_)),
+        table(table_), blk_bytes(s_blk * (int64_t)sizeof(KV)),
+        row_stride(s_off * (int64_t)sizeof(KV)), b(b0), end(blocks) {
+    const bool contiguous = s_off == span;
+    seg_bytes = (contiguous ? (int64_t)bs : 1) * span * (int64_t)sizeof(KV);
+    segs = contiguous ? 1 : bs;
+    if (b < end) start(k + table[b] * blk_bytes);
+  }
+  void start(const char* p) {
+    cur = p;
+    seg_end = p + seg_bytes;
+  }
+  // Lines of one block, K and V.
+  int64_t block_lines() const { return 2 * segs * ((seg_bytes + 63) / 64); }
+  // Prefetches the next n lines (fewer at the context's end).
+  inline void feed(int64_t n) {
+    for (; n > 0 && b < end; --n) {
+      __builtin_prefetch(cur, 0, 3);
+      cur += 64;
+      if (cur < seg_end) continue;
+      if (++seg < segs) {
+        start(seg_end - seg_bytes + row_stride);
+        continue;
+      }
+      seg = 0;
+      if (part == 0) {
+        part = 1;
+        start(v + table[b] * blk_bytes);
+      } else {
+        part = 0;
+        if (++b < end) start(k + table[b] * blk_bytes);
+      }
+    }
+  }
+};
+
 template <int D>
 void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __restrict k,
                  const bf16* __restrict v, int64_t s_blk, int64_t s_off, int64_t s_head,
@@ -436,13 +491,20 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
   constexpr int GB = 16 / CV;  // query heads whose V sums fit 16 registers
   const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
   const __m512 sv = _mm512_set1_ps(scale);
-  // two blocks ahead: one was not enough to cover memory's latency (1.30 vs 1.21 ms a
-  // layer at 61 decodes, separate runs)
-  for_each_block_run<2>(k, s_blk, s_off, table, first, width, bs, span, 16,
+  // The K pass keeps the lines one block ahead in flight (K and V of the block after
+  // the run's), fed over its H * G score rows; the V pass then finds its rows in L2
+  // and prefetches nothing (two blocks ahead, or V prefetched in the V pass, measured
+  // slower: 0.60-0.67 vs 0.56 ms a layer at 61 decodes).
+  const int32_t b0 = first / bs, blocks = (first + width + bs - 1) / bs;
+  LineFeed<bf16> lines(k, v, table, s_blk, s_off, span, bs, b0, blocks);
+  lines.feed(lines.block_lines());
+  for_each_block_run<0>(k, s_blk, s_off, table, first, width, bs, span, 16,
                         [&](const bf16* r0, int32_t n, int32_t t) {
+    const int64_t dose = (lines.block_lines() * n / bs + H * G - 1) / (H * G);
     for (int32_t h = 0; h < H; ++h) {
       const bf16* rh = r0 + (int64_t)h * s_head;
       for (int32_t g = h * G; g < h * G + G; ++g) {
+        lines.feed(dose);
         __m512bh qv[C];
         for (int c = 0; c < C; ++c)
           qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + g * D + 32 * c));
@@ -463,10 +525,10 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
         Vec512::store_first(scores + (int64_t)g * width + t, _mm512_mul_ps(Vec512::sums(a), sv), n);
       }
     }
-  }, v);  // this block's V rows too, for the V pass
+  });
   softmax_rows(scores, H * G, width);
   for (int64_t x = 0; x < (int64_t)H * G * D; ++x) acc[x] = 0.0f;
-  for_each_block_run<2>(v, s_blk, s_off, table, first, width, bs, span, bs,
+  for_each_block_run<0>(v, s_blk, s_off, table, first, width, bs, span, bs,
                         [&](const bf16* r0, int32_t n, int32_t t) {
     for (int32_t h = 0; h < H; ++h) {
       const bf16* rh = r0 + (int64_t)h * s_head;
