@@ -8,8 +8,10 @@ from kernel_cases import DECODES, FP8, MANY_DECODES, MIXED, dense_attention, mak
 
 from spur.kernels import (
     build_attention_metadata,
+    native,
     paged_attention,
     paged_attention_ref,
+    reference,
     select_backend,
     store_kv,
     store_kv_ref,
@@ -45,6 +47,53 @@ def test_reference_matches_dense(reqs, dtype, cache_dtype, atol, sliding_window)
     expected = dense_attention(case, sliding_window)
     torch.testing.assert_close(out[:n].double(), expected, atol=atol, rtol=atol)
     assert not out[n:].any(), "padding rows must be zero"
+
+
+# Prefill chunks (fresh, and after a computed prefix) next to decodes, at the head
+# sizes of the kernel's SIMD paths (attend_bf16, attend_simd), block sizes 16 and 8.
+PREFILLS = [(0, 40), (9, 1), (21, 30), (0, 1), (33, 17)]
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (128, 4, 8)])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_prefill_chunks_in_the_native_kernel(
+    dtype, atol, head_dim, group, block_size, sliding_window
+):
+    """Each token of a prefill chunk is one entry of the decode kernel's plan, over its
+    own causal window; below NATIVE_PREFILL_MAX_CONTEXT they take it, above SDPA does,
+    and both match the dense oracle."""
+    case = make_case(
+        PREFILLS,
+        dtype=dtype,
+        cache_dtype=dtype,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        pad_tokens=3,
+        seed=head_dim,
+    )
+    n = case.metadata.num_actual_tokens
+    expected = dense_attention(case, sliding_window)
+    assert native.decode_kernel(case.query, case.kv_cache) is not None
+    outs = {}
+    for limit in (reference.NATIVE_PREFILL_MAX_CONTEXT, 0):
+        case.metadata.memo.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(reference, "NATIVE_PREFILL_MAX_CONTEXT", limit)
+            outs[limit] = paged_attention_ref(
+                case.query,
+                case.kv_cache,
+                case.metadata,
+                scale=case.scale,
+                sliding_window=sliding_window,
+            )
+        torch.testing.assert_close(outs[limit][:n].double(), expected, atol=atol, rtol=atol)
+        assert not outs[limit][n:].any(), "padding rows must be zero"
+    assert not torch.equal(outs[0], outs[reference.NATIVE_PREFILL_MAX_CONTEXT]), (
+        "the native and SDPA paths round differently: equal outputs mean one path ran twice"
+    )
 
 
 @pytest.mark.parametrize("group", [1, 3])
