@@ -50,6 +50,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -728,6 +729,271 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
                               lanes);
   else
     TORCH_CHECK(false, "decode_attention: float32 / bfloat16 only, got ", qt, " and ", kt);
+}
+
+// ----------------------------------------------------------------- prefill attention
+//
+// Prefill chunks with bf16 q on a bf16 cache (head_dim 64 or 128, AVX-512 BF16 builds).
+// One task = a tile of up to 16 consecutive query tokens of one chunk and one KV head,
+// for each of the head's G query heads. The tile's query rows are transposed once into
+// pairs, qt[D/2][16 tokens], so that one key's scores for the 16 tokens are one vector:
+// vdpbf16ps of qt[p] with the key's pair p broadcast from the cache as stored (K is
+// neither copied nor transposed, and there are no horizontal sums). The softmax runs
+// lane-wise over the keys (a lane is a token; masked keys score -1e30). Probabilities
+// are rounded to bf16 for the weighted sum, as SDPA does, and meet V in pairs of keys:
+// the tile's V rows are interleaved into pairs per feature (vt[key pair][D]), and 16
+// tokens' sums of a feature are one vdpbf16ps of their probability pairs with the
+// feature's pair broadcast. Float32 scores, softmax and sums; exact softmax (all the
+// tile's scores are kept, [keys][G][16] floats).
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+constexpr bool kPrefillTiles = true;
+
+// Per-thread buffers of the prefill tiles, grown to the longest tile's keys.
+struct PrefillScratch {
+  std::vector<float> s;        // [keys][G][16] scores, then probabilities
+  std::vector<uint32_t> vt;    // [key pairs][D] V pairs
+  std::vector<uint32_t> qt;    // [G][D/2][16] query pairs
+  std::vector<const bf16*> kr, vr;  // the keys' K and V rows (this KV head)
+  void fit(int64_t keys, int32_t G, int32_t D) {
+    if ((int64_t)kr.size() < keys + 1) {
+      s.resize((size_t)(keys + 1) * G * 16);
+      vt.resize((size_t)((keys + 2) / 2) * D);
+      kr.resize(keys + 1);
+      vr.resize(keys + 1);
+    }
+    qt.resize((size_t)G * D / 2 * 16);
+  }
+};
+
+template <int D>
+void prefill_tile(const bf16* q, int64_t q_row, bf16* o, int64_t o_row, const bf16* k,
+                  const bf16* v, int64_t s_blk, int64_t s_off, int64_t s_head,
+                  const int32_t* table, int32_t bs, int32_t h, int32_t G, int32_t nt,
+                  const int32_t* firsts, const int32_t* ends, float scale, PrefillScratch& sc) {
+  constexpr int P = D / 2;  // pairs of a row
+  const int32_t kf = firsts[0], nk = ends[nt - 1] - kf;
+  sc.fit(nk, G, D);
+  for (int32_t t = 0, pos = kf; t < nk; ++t, ++pos) {
+    const int64_t at = (int64_t)table[pos / bs] * s_blk + (int64_t)(pos % bs) * s_off + h * s_head;
+    sc.kr[t] = k + at;
+    sc.vr[t] = v + at;
+  }
+  // the tokens' windows, lane-wise; lanes past nt see no key
+  alignas(64) int32_t fl[16], el[16];
+  for (int i = 0; i < 16; ++i) fl[i] = i < nt ? firsts[i] : 0, el[i] = i < nt ? ends[i] : 0;
+  const __m512i fv = _mm512_load_si512(fl), ev = _mm512_load_si512(el);
+  uint32_t* qt = sc.qt.data();
+  for (int32_t g = 0; g < G; ++g)
+    for (int p = 0; p < P; ++p)
+      for (int i = 0; i < 16; ++i) {
+        uint32_t pair = 0;
+        if (i < nt) std::memcpy(&pair, q + i * q_row + (int64_t)(h * G + g) * D + 2 * p, 4);
+        qt[((int64_t)g * P + p) * 16 + i] = pair;
+      }
+  float* s = sc.s.data();
+  const __m512 sv = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-1e30f);
+  __m512 m[16];  // running max per query head (G <= 16)
+  for (int32_t g = 0; g < G; ++g) {
+    m[g] = masked;
+    const uint32_t* qg = qt + (int64_t)g * P * 16;
+    for (int32_t t0 = 0; t0 < nk; t0 += 16) {
+      const int n = std::min<int32_t>(16, nk - t0);
+      __m512 a[16];
+      // keys j of the group: a[j] = their 16 tokens' dot products
+      const auto scores = [&](auto keys) {
+        constexpr int NK = decltype(keys)::value;
+        const bf16* kr[NK];
+        for (int j = 0; j < NK; ++j) kr[j] = sc.kr[t0 + j], a[j] = _mm512_setzero_ps();
+        for (int p = 0; p < P; ++p) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + p * 16);
+#pragma GCC unroll 16
+          for (int j = 0; j < NK; ++j) {
+            int32_t pair;
+            std::memcpy(&pair, kr[j] + 2 * p, 4);
+            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(pair));
+          }
+        }
+      };
+      if (n == 16) {
+        scores(std::integral_constant<int, 16>{});
+      } else {
+        for (int j0 = 0; j0 < n; ++j0) {  // the last group: one key at a time
+          const bf16* kr = sc.kr[t0 + j0];
+          __m512 x = _mm512_setzero_ps();
+          for (int p = 0; p < P; ++p) {
+            int32_t pair;
+            std::memcpy(&pair, kr + 2 * p, 4);
+            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qg + p * 16),
+                                 (__m512bh)_mm512_set1_epi32(pair));
+          }
+          a[j0] = x;
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        const __m512i pos = _mm512_set1_epi32(kf + t0 + j);
+        const __mmask16 ok = _mm512_cmpge_epi32_mask(pos, fv) & _mm512_cmplt_epi32_mask(pos, ev);
+        const __m512 x = _mm512_mask_mov_ps(masked, ok, _mm512_mul_ps(a[j], sv));
+        m[g] = _mm512_max_ps(m[g], x);
+        _mm512_storeu_ps(s + ((int64_t)(t0 + j) * G + g) * 16, x);
+      }
+    }
+  }
+  // probabilities (unnormalised) and their sums, lane-wise; an odd key count gets a
+  // zero key so that keys pair up
+  alignas(64) float mf[16 * 16], lf[16 * 16];
+  for (int32_t g = 0; g < G; ++g) _mm512_store_ps(mf + g * 16, m[g]), _mm512_store_ps(lf + g * 16, _mm512_setzero_ps());
+  for (int32_t t = 0; t < nk; ++t)
+    for (int32_t g = 0; g < G; ++g) {
+      float* __restrict sg = s + ((int64_t)t * G + g) * 16;
+      const float* __restrict mg = mf + g * 16;
+      float* __restrict lg = lf + g * 16;
+      // libmvec's exp (vectorised) takes a scalar path for arguments below ~-87: the
+      // argument is clamped, and a masked key (score -1e30) set to 0 after the exp
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) {
+        const float score = sg[i];
+        const float e = std::exp(std::max(score - mg[i], -80.0f));
+        sg[i] = score < -1e29f ? 0.0f : e;
+        lg[i] += sg[i];
+      }
+    }
+  const int32_t pairs = (nk + 1) / 2;
+  if (nk % 2) {
+    for (int32_t g = 0; g < G; ++g) _mm512_storeu_ps(s + ((int64_t)nk * G + g) * 16, _mm512_setzero_ps());
+  }
+  // probability pairs, pp[tp][g] lane i: (bf16(p[i][2tp]), bf16(p[i][2tp + 1])), in place
+  // of the scores of key 2tp (each pair is read after the two rows it comes from)
+  uint32_t* pp = reinterpret_cast<uint32_t*>(s);
+  for (int32_t tp = 0; tp < pairs; ++tp)
+    for (int32_t g = 0; g < G; ++g) {
+      const __m512 p0 = _mm512_loadu_ps(s + ((int64_t)(2 * tp) * G + g) * 16);
+      const __m512 p1 = _mm512_loadu_ps(s + ((int64_t)(2 * tp + 1) * G + g) * 16);
+      const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+      const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+      _mm512_storeu_si512(pp + ((int64_t)tp * G + g) * 16,
+                          _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
+    }
+  // V rows of each key pair interleaved per feature: vt[tp][d] = (v[2tp][d], v[2tp+1][d])
+  uint32_t* vt = sc.vt.data();
+  alignas(64) uint16_t lo_pick[32];  // element 2i from x0[i], 2i + 1 from x1[i]
+  for (int i = 0; i < 16; ++i) lo_pick[2 * i] = i, lo_pick[2 * i + 1] = 32 + i;
+  const __m512i lo_idx = _mm512_load_si512(lo_pick);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int32_t tp = 0; tp < pairs; ++tp) {
+    const bf16* r0 = sc.vr[2 * tp];
+    const bf16* r1 = 2 * tp + 1 < nk ? sc.vr[2 * tp + 1] : nullptr;
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i x0 = _mm512_loadu_si512(reinterpret_cast<const void*>(r0 + 32 * c));
+      const __m512i x1 = r1 ? _mm512_loadu_si512(reinterpret_cast<const void*>(r1 + 32 * c))
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(vt + (int64_t)tp * D + 32 * c, _mm512_permutex2var_epi16(x0, lo_idx, x1));
+      _mm512_storeu_si512(vt + (int64_t)tp * D + 32 * c + 16, _mm512_permutex2var_epi16(x0, hi_idx, x1));
+    }
+  }
+  for (int32_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_load_ps(lf + g * 16));
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int32_t tp = 0; tp < pairs; ++tp) {
+        const __m512bh pv = (__m512bh)_mm512_loadu_si512(pp + ((int64_t)tp * G + g) * 16);
+        const uint32_t* vp = vt + (int64_t)tp * D + d0;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], pv, (__m512bh)_mm512_set1_epi32((int32_t)vp[j]));
+      }
+      alignas(64) float tile[16][16];  // [feature][token]
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(tile[j], _mm512_mul_ps(acc[j], inv));
+      for (int32_t i = 0; i < nt; ++i) {
+        bf16* oi = o + i * o_row + (int64_t)(h * G + g) * D + d0;
+        for (int j = 0; j < 16; ++j) oi[j] = bf16(tile[j][i]);
+      }
+    }
+  }
+}
+#else
+constexpr bool kPrefillTiles = false;
+#endif
+
+bool prefill_tiles_supported() { return kPrefillTiles; }
+
+// chunks: [C, 4] int32 rows (first query row, query tokens, context length, sliding
+// window or 0); tables: [C, max_blocks] int32, the chunks' block tables.
+void prefill_attention(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& tables,
+                       const at::Tensor& chunks, double scale) {
+  TORCH_CHECK(kPrefillTiles, "prefill_attention: built without AVX-512 BF16");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "prefill_attention: bf16 q, out and caches");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "q and out rows must be contiguous [heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1,
+              "K and V caches must be [blocks, block_size, kv_heads, head_dim] views of one "
+              "layout, contiguous in head_dim");
+  const int32_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0 && Hq / Hkv <= 16,
+              "head_dim or head counts of q and the cache disagree (at most 16 query heads a "
+              "KV head)");
+  TORCH_CHECK(D == 64 || D == 128, "prefill_attention: head_dim 64 or 128, got ", D);
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() &&
+                  chunks.scalar_type() == at::kInt && chunks.is_contiguous() &&
+                  chunks.dim() == 2 && chunks.size(1) == 4 && tables.size(0) == chunks.size(0),
+              "prefill_attention: int32 tables [C, max_blocks] and chunks [C, 4]");
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  const int32_t G = Hq / Hkv;
+  const int32_t* cp = chunks.data_ptr<int32_t>();
+  const int64_t C = chunks.size(0);
+  // tasks (chunk, tile, KV head), the tiles with most keys first
+  std::vector<std::array<int32_t, 3>> tasks;
+  for (int64_t c = 0; c < C; ++c)
+    for (int32_t t = 0; t < cp[c * 4 + 1]; t += 16)
+      for (int32_t h = 0; h < Hkv; ++h) tasks.push_back({(int32_t)c, t, h});
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) {
+    const auto keys = [&](const auto& x) {  // the tile's last token's context
+      const int32_t* ch = cp + x[0] * 4;
+      return ch[2] - ch[1] + std::min(x[1] + 16, ch[1]);
+    };
+    return keys(a) > keys(b);
+  });
+  const int64_t s_blk = k_cache.stride(0), s_off = k_cache.stride(1), s_head = k_cache.stride(2);
+  const bf16* qp = q.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const bf16* kp = k_cache.data_ptr<bf16>();
+  const bf16* vp = v_cache.data_ptr<bf16>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t t_row = tables.stride(0), q_row = q.stride(0), o_row = out.stride(0);
+  std::atomic<int64_t> next{0};
+  const int64_t n = (int64_t)tasks.size();
+  const int64_t team = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    PrefillScratch sc;
+    for (;;) {
+      const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
+      if (task >= n) break;
+      const auto [c, t, h] = tasks[task];
+      const int32_t* ch = cp + c * 4;
+      const int32_t row0 = ch[0], q_len = ch[1], seq_len = ch[2], window = ch[3];
+      const int32_t nt = std::min(16, q_len - t);
+      int32_t firsts[16], ends[16];
+      for (int32_t i = 0; i < nt; ++i) {
+        ends[i] = seq_len - q_len + t + i + 1;  // token t + i sees [first, end)
+        firsts[i] = window > 0 ? std::max(0, ends[i] - window) : 0;
+      }
+      const bf16* qi = qp + (int64_t)(row0 + t) * q_row;
+      bf16* oi = op + (int64_t)(row0 + t) * o_row;
+      if (D == 64)
+        prefill_tile<64>(qi, q_row, oi, o_row, kp, vp, s_blk, s_off, s_head, tp + c * t_row, bs,
+                         h, G, nt, firsts, ends, (float)scale, sc);
+      else
+        prefill_tile<128>(qi, q_row, oi, o_row, kp, vp, s_blk, s_off, s_head, tp + c * t_row, bs,
+                          h, G, nt, firsts, ends, (float)scale, sc);
+    }
+  });
+#endif
 }
 
 // ----------------------------------------------------------------- RMSNorm
@@ -1536,6 +1802,10 @@ TORCH_LIBRARY(spur_cpu, m) {
       "decode_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, "
       "Tensor tables, Tensor rows, Tensor firsts, Tensor lens, float scale, int lanes=0) -> ()");
   m.def("decode_lanes() -> int[]", &decode_lanes);
+  m.def("prefill_tiles_supported() -> bool", &prefill_tiles_supported);
+  m.def(
+      "prefill_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, "
+      "Tensor tables, Tensor chunks, float scale) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor, Tensor)");
@@ -1554,6 +1824,7 @@ TORCH_LIBRARY(spur_cpu, m) {
 
 TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);

@@ -200,24 +200,100 @@ def plan_decodes(
     no bounds checks): a block id outside [0, num_blocks) or a context longer than
     its table row covers.
     """
+    i32 = torch.int32
+    return DecodePlan(
+        rows=torch.tensor(rows, dtype=i32),
+        firsts=torch.tensor(firsts, dtype=i32),
+        lens=torch.tensor(lens, dtype=i32),
+        tables=_table_rows(block_tables, reqs, max(lens), num_blocks, block_size),
+    )
+
+
+def _table_rows(
+    block_tables: torch.Tensor, reqs: list[int], longest: int, num_blocks: int, block_size: int
+) -> torch.Tensor:
+    """The block-table rows of `reqs`, int32 and contiguous, checked as the kernels need
+    (they have no bounds checks): ids in [0, num_blocks), rows covering `longest`."""
     tables = block_tables[torch.tensor(reqs)].to(torch.int32).contiguous()
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise ValueError(
             f"block table holds ids outside [0, {num_blocks}): the metadata does not "
             "belong to this KV cache"
         )
-    if max(lens) > tables.shape[1] * block_size:
+    if longest > tables.shape[1] * block_size:
         raise ValueError(
-            f"a context of {max(lens)} tokens needs more than the table's "
+            f"a context of {longest} tokens needs more than the table's "
             f"{tables.shape[1]} blocks of {block_size}: the block table is truncated"
         )
-    i32 = torch.int32
-    return DecodePlan(
-        rows=torch.tensor(rows, dtype=i32),
-        firsts=torch.tensor(firsts, dtype=i32),
-        lens=torch.tensor(lens, dtype=i32),
-        tables=tables,
+    return tables
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A step's prefill chunks, as prefill_attention reads them (the same in every layer)."""
+
+    chunks: torch.Tensor  # [C, 4] int32: first query row, query tokens, context, window (0: none)
+    tables: torch.Tensor  # [C, max_blocks] int32, contiguous block-table rows
+
+
+def prefill_tiles(lib: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `prefill_attention` serves prefill chunks of these tensors: a build with
+    AVX-512 BF16, bfloat16 query and cache, head_dim 64 or 128, at most 16 query heads a
+    KV head (kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim])."""
+    return (
+        lib is not None
+        and _built(lib, "prefill_tiles")
+        and query.dtype == kv_cache.dtype == torch.bfloat16
+        and query.shape[-1] in (64, 128)
+        and query.shape[1] // kv_cache.shape[3] <= 16
     )
+
+
+def plan_prefills(
+    block_tables: torch.Tensor,
+    chunks: list[tuple[int, int, int, int]],
+    sliding_window: int | None,
+    *,
+    num_blocks: int,
+    block_size: int,
+) -> PrefillPlan:
+    """Index arrays of prefill chunks (request, first query row, query tokens, context
+    length); query token i of a chunk sits at position context - tokens + i. Raises
+    ValueError as plan_decodes does."""
+    window = sliding_window or 0
+    return PrefillPlan(
+        chunks=torch.tensor(
+            [(row, q_len, seq_len, window) for _, row, q_len, seq_len in chunks],
+            dtype=torch.int32,
+        ).view(-1, 4),
+        tables=_table_rows(
+            block_tables,
+            [r for r, *_ in chunks],
+            max(c[3] for c in chunks),
+            num_blocks,
+            block_size,
+        ),
+    )
+
+
+def prefill_attention(
+    lib: Any,
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+) -> None:
+    """Causal attention of the plan's prefill chunks over the paged cache in place, in
+    tiles of 16 query tokens (kernels/cpu_ops.cpp); writes their rows of out, nothing
+    else. Shapes as in decode_attention; see prefill_tiles for what it serves."""
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V views of the cache must share one layout")
+    q = query if query.stride(1) == query.shape[2] else query.contiguous()
+    if out.stride(1) != out.shape[2] or out.stride(2) != 1:
+        raise ValueError("out must be contiguous in [num_heads, head_dim]")
+    lib.prefill_attention(q, out, k_cache, v_cache, plan.tables, plan.chunks, scale)
 
 
 def decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | None:
@@ -533,7 +609,8 @@ def _linear_f32_here() -> bool:
 
 
 def _built(lib: Any, op: str) -> bool:
-    """Whether this build has `op` (small_linear / linear_f32: each for one CPU class)."""
+    """Whether this build has `op` (small_linear / linear_f32 / prefill_tiles: each for
+    one CPU class)."""
     built = _state.get(op)
     if built is None:
         built = _state[op] = bool(getattr(lib, f"{op}_supported")())

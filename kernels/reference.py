@@ -253,9 +253,10 @@ def paged_attention_ref(
     ctx = _Context(k_cache, v_cache, metadata.block_tables, k_scale, v_scale, is_fp8, dtypes)
 
     kernel = native.decode_kernel(query, kv_cache)
+    tiles = native.prefill_tiles(kernel, query, kv_cache)
     num_blocks = k_cache.shape[0]
     key = ("torch-reference", ctx.block_size, num_blocks, sliding_window, str(query.device))
-    key += (kernel is None,)
+    key += (kernel is None, tiles)
     layout = metadata.memo.get(key)
     if layout is None:  # first layer of the step: every later layer reuses it
         layout = metadata.memo[key] = _layout(
@@ -263,11 +264,14 @@ def paged_attention_ref(
             ctx.block_size,
             sliding_window,
             native_decodes=kernel is not None,
+            prefill_tiles=tiles,
             num_blocks=num_blocks,
         )
-    prefills, groups, plan = layout
+    prefills, groups, plan, tile_plan = layout
     for r, start, q_len, seq_len in prefills:
         _prefill(query, out, ctx, r, start, q_len, seq_len, scale, sliding_window)
+    if tile_plan is not None:
+        native.prefill_attention(kernel, query, out, k_cache, v_cache, tile_plan, scale)
     if plan is not None:
         native.decode_attention(kernel, query, out, k_cache, v_cache, plan, scale)
     for group in groups:
@@ -290,10 +294,16 @@ def _layout(
     sliding_window: int | None,
     *,
     native_decodes: bool,
+    prefill_tiles: bool,
     num_blocks: int,
-) -> tuple[list[tuple[int, int, int, int]], list[_DecodeGroup], native.DecodePlan | None]:
-    """Prefill chunks (request, first row, query length, seq_len), then the decodes:
-    one plan for the native kernel, or length groups for SDPA."""
+) -> tuple[
+    list[tuple[int, int, int, int]],
+    list[_DecodeGroup],
+    native.DecodePlan | None,
+    native.PrefillPlan | None,
+]:
+    """Prefill chunks for SDPA (request, first row, query length, seq_len), the decodes'
+    length groups for SDPA, the native decode plan, and the native prefill plan."""
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
     prefills: list[tuple[int, int, int, int]] = []
@@ -308,6 +318,16 @@ def _layout(
     first = {
         r: 0 if sliding_window is None else max(0, seq_lens[r] - sliding_window) for r in decodes
     }
+    tile_plan = None
+    if prefill_tiles and prefills:
+        tile_plan = native.plan_prefills(
+            metadata.block_tables,
+            prefills,
+            sliding_window,
+            num_blocks=num_blocks,
+            block_size=block_size,
+        )
+        prefills = []
     if native_decodes:
         # Each token of a prefill chunk whose context is short enough is one more entry
         # of the plan: its own window, over the cache in place.
@@ -328,7 +348,7 @@ def _layout(
                 else [max(0, end - sliding_window) for end in ends]
             )
         if not reqs:
-            return sdpa_prefills, [], None
+            return sdpa_prefills, [], None, tile_plan
         plan = native.plan_decodes(
             metadata.block_tables,
             reqs,
@@ -338,7 +358,7 @@ def _layout(
             num_blocks=num_blocks,
             block_size=block_size,
         )
-        return sdpa_prefills, [], plan
+        return sdpa_prefills, [], plan, tile_plan
     groups = [
         _decode_indices(
             metadata.block_tables,
@@ -350,7 +370,7 @@ def _layout(
         )
         for group in _length_groups(decodes, seq_lens)
     ]
-    return prefills, groups, None
+    return prefills, groups, None, tile_plan
 
 
 # Prefill chunks of contexts up to this many tokens run in the C decode kernel, one

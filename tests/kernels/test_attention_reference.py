@@ -50,19 +50,20 @@ def test_reference_matches_dense(reqs, dtype, cache_dtype, atol, sliding_window)
 
 
 # Prefill chunks (fresh, and after a computed prefix) next to decodes, at the head
-# sizes of the kernel's SIMD paths (attend_bf16, attend_simd), block sizes 16 and 8.
+# sizes of the kernels' SIMD paths, block sizes 16 and 8; 40 tokens make tiles of 16,
+# 16 and 8, 17 an odd count of keys in the last tile.
 PREFILLS = [(0, 40), (9, 1), (21, 30), (0, 1), (33, 17)]
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (128, 4, 8)])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-def test_prefill_chunks_in_the_native_kernel(
+def test_prefill_chunks_in_the_native_kernels(
     dtype, atol, head_dim, group, block_size, sliding_window
 ):
-    """Each token of a prefill chunk is one entry of the decode kernel's plan, over its
-    own causal window; below NATIVE_PREFILL_MAX_CONTEXT they take it, above SDPA does,
-    and both match the dense oracle."""
+    """Prefill chunks take prefill_attention's tiles (bf16 on AVX-512 BF16 builds), else
+    the decode kernel with one plan entry per query token (contexts up to
+    NATIVE_PREFILL_MAX_CONTEXT), else SDPA; every path matches the dense oracle."""
     case = make_case(
         PREFILLS,
         dtype=dtype,
@@ -76,24 +77,32 @@ def test_prefill_chunks_in_the_native_kernel(
     )
     n = case.metadata.num_actual_tokens
     expected = dense_attention(case, sliding_window)
-    assert native.decode_kernel(case.query, case.kv_cache) is not None
+    lib = native.decode_kernel(case.query, case.kv_cache)
+    assert lib is not None
+    tiles = native.prefill_tiles(lib, case.query, case.kv_cache)
+    assert tiles == (dtype == torch.bfloat16 and native._built(lib, "prefill_tiles"))
+    paths = {"per-token": reference.NATIVE_PREFILL_MAX_CONTEXT, "sdpa": 0}
     outs = {}
-    for limit in (reference.NATIVE_PREFILL_MAX_CONTEXT, 0):
+    for path in ["tiles", *paths] if tiles else paths:
         case.metadata.memo.clear()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(reference, "NATIVE_PREFILL_MAX_CONTEXT", limit)
-            outs[limit] = paged_attention_ref(
+            if path != "tiles":
+                mp.setattr(native, "prefill_tiles", lambda *args: False)
+                mp.setattr(reference, "NATIVE_PREFILL_MAX_CONTEXT", paths[path])
+            outs[path] = paged_attention_ref(
                 case.query,
                 case.kv_cache,
                 case.metadata,
                 scale=case.scale,
                 sliding_window=sliding_window,
             )
-        torch.testing.assert_close(outs[limit][:n].double(), expected, atol=atol, rtol=atol)
-        assert not outs[limit][n:].any(), "padding rows must be zero"
-    assert not torch.equal(outs[0], outs[reference.NATIVE_PREFILL_MAX_CONTEXT]), (
-        "the native and SDPA paths round differently: equal outputs mean one path ran twice"
-    )
+        torch.testing.assert_close(outs[path][:n].double(), expected, atol=atol, rtol=atol)
+        assert not outs[path][n:].any(), "padding rows must be zero"
+    # The paths round differently: equal outputs would mean one path ran twice.
+    names = list(outs)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not torch.equal(outs[a], outs[b]), (a, b)
 
 
 @pytest.mark.parametrize("group", [1, 3])
