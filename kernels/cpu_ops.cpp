@@ -765,7 +765,7 @@ struct PrefillScratch {
   }
 };
 
-template <int D>
+template <int D, int GB>
 void prefill_tile(const bf16* q, int64_t q_row, bf16* o, int64_t o_row, const bf16* k,
                   const bf16* v, int64_t s_blk, int64_t s_off, int64_t s_head,
                   const int32_t* table, int32_t bs, int32_t h, int32_t G, int32_t nt,
@@ -793,48 +793,61 @@ void prefill_tile(const bf16* q, int64_t q_row, bf16* o, int64_t o_row, const bf
   float* s = sc.s.data();
   const __m512 sv = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-1e30f);
   __m512 m[16];  // running max per query head (G <= 16)
-  for (int32_t g = 0; g < G; ++g) {
-    m[g] = masked;
-    const uint32_t* qg = qt + (int64_t)g * P * 16;
-    for (int32_t t0 = 0; t0 < nk; t0 += 16) {
-      const int n = std::min<int32_t>(16, nk - t0);
-      __m512 a[16];
-      // keys j of the group: a[j] = their 16 tokens' dot products
-      const auto scores = [&](auto keys) {
-        constexpr int NK = decltype(keys)::value;
-        const bf16* kr[NK];
-        for (int j = 0; j < NK; ++j) kr[j] = sc.kr[t0 + j], a[j] = _mm512_setzero_ps();
+  for (int32_t g = 0; g < G; ++g) m[g] = masked;
+  // Keys in groups of NK, GB query heads at once: each broadcast pair of a key serves
+  // GB heads (GB * NK sums in registers).
+  constexpr int NK = GB == 1 ? 16 : GB == 2 ? 12 : GB == 3 ? 8 : 6;
+  for (int32_t g0 = 0; g0 < G; g0 += GB) {
+    const uint32_t* qg = qt + (int64_t)g0 * P * 16;
+    for (int32_t t0 = 0; t0 < nk; t0 += NK) {
+      const int n = std::min<int32_t>(NK, nk - t0);
+      __m512 a[GB][NK];
+      const auto scores = [&](auto keys) {  // a[gb][j]: key t0 + j, head g0 + gb
+        constexpr int K_ = decltype(keys)::value;
+        const bf16* kr[K_];
+        for (int j = 0; j < K_; ++j) {
+          kr[j] = sc.kr[t0 + j];
+          for (int gb = 0; gb < GB; ++gb) a[gb][j] = _mm512_setzero_ps();
+        }
         for (int p = 0; p < P; ++p) {
-          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + p * 16);
+          __m512bh qv[GB];
+          for (int gb = 0; gb < GB; ++gb)
+            qv[gb] = (__m512bh)_mm512_loadu_si512(qg + ((int64_t)gb * P + p) * 16);
 #pragma GCC unroll 16
-          for (int j = 0; j < NK; ++j) {
+          for (int j = 0; j < K_; ++j) {
             int32_t pair;
             std::memcpy(&pair, kr[j] + 2 * p, 4);
-            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(pair));
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int gb = 0; gb < GB; ++gb) a[gb][j] = _mm512_dpbf16_ps(a[gb][j], qv[gb], kb);
           }
         }
       };
-      if (n == 16) {
-        scores(std::integral_constant<int, 16>{});
-      } else {
-        for (int j0 = 0; j0 < n; ++j0) {  // the last group: one key at a time
+      if (n == NK) {
+        scores(std::integral_constant<int, NK>{});
+      } else {  // the last group: one key at a time
+        for (int j0 = 0; j0 < n; ++j0) {
           const bf16* kr = sc.kr[t0 + j0];
-          __m512 x = _mm512_setzero_ps();
-          for (int p = 0; p < P; ++p) {
-            int32_t pair;
-            std::memcpy(&pair, kr + 2 * p, 4);
-            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qg + p * 16),
-                                 (__m512bh)_mm512_set1_epi32(pair));
+          for (int gb = 0; gb < GB; ++gb) {
+            __m512 x = _mm512_setzero_ps();
+            for (int p = 0; p < P; ++p) {
+              int32_t pair;
+              std::memcpy(&pair, kr + 2 * p, 4);
+              x = _mm512_dpbf16_ps(
+                  x, (__m512bh)_mm512_loadu_si512(qg + ((int64_t)gb * P + p) * 16),
+                  (__m512bh)_mm512_set1_epi32(pair));
+            }
+            a[gb][j0] = x;
           }
-          a[j0] = x;
         }
       }
       for (int j = 0; j < n; ++j) {
         const __m512i pos = _mm512_set1_epi32(kf + t0 + j);
         const __mmask16 ok = _mm512_cmpge_epi32_mask(pos, fv) & _mm512_cmplt_epi32_mask(pos, ev);
-        const __m512 x = _mm512_mask_mov_ps(masked, ok, _mm512_mul_ps(a[j], sv));
-        m[g] = _mm512_max_ps(m[g], x);
-        _mm512_storeu_ps(s + ((int64_t)(t0 + j) * G + g) * 16, x);
+        for (int gb = 0; gb < GB; ++gb) {
+          const __m512 x = _mm512_mask_mov_ps(masked, ok, _mm512_mul_ps(a[gb][j], sv));
+          m[g0 + gb] = _mm512_max_ps(m[g0 + gb], x);
+          _mm512_storeu_ps(s + ((int64_t)(t0 + j) * G + g0 + gb) * 16, x);
+        }
       }
     }
   }
@@ -890,23 +903,33 @@ void prefill_tile(const bf16* q, int64_t q_row, bf16* o, int64_t o_row, const bf
       _mm512_storeu_si512(vt + (int64_t)tp * D + 32 * c + 16, _mm512_permutex2var_epi16(x0, hi_idx, x1));
     }
   }
-  for (int32_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_load_ps(lf + g * 16));
-    for (int d0 = 0; d0 < D; d0 += 16) {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  // GB heads at once, DB features: each broadcast V pair serves GB heads
+  constexpr int DB = GB == 1 ? 16 : GB == 4 ? 4 : 8;
+  for (int32_t g0 = 0; g0 < G; g0 += GB) {
+    for (int d0 = 0; d0 < D; d0 += DB) {
+      __m512 acc[GB][DB];
+      for (int gb = 0; gb < GB; ++gb)
+        for (int j = 0; j < DB; ++j) acc[gb][j] = _mm512_setzero_ps();
       for (int32_t tp = 0; tp < pairs; ++tp) {
-        const __m512bh pv = (__m512bh)_mm512_loadu_si512(pp + ((int64_t)tp * G + g) * 16);
+        __m512bh pv[GB];
+        for (int gb = 0; gb < GB; ++gb)
+          pv[gb] = (__m512bh)_mm512_loadu_si512(pp + ((int64_t)tp * G + g0 + gb) * 16);
         const uint32_t* vp = vt + (int64_t)tp * D + d0;
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
-          acc[j] = _mm512_dpbf16_ps(acc[j], pv, (__m512bh)_mm512_set1_epi32((int32_t)vp[j]));
+        for (int j = 0; j < DB; ++j) {
+          const __m512bh vb = (__m512bh)_mm512_set1_epi32((int32_t)vp[j]);
+          for (int gb = 0; gb < GB; ++gb) acc[gb][j] = _mm512_dpbf16_ps(acc[gb][j], pv[gb], vb);
+        }
       }
-      alignas(64) float tile[16][16];  // [feature][token]
-      for (int j = 0; j < 16; ++j) _mm512_store_ps(tile[j], _mm512_mul_ps(acc[j], inv));
-      for (int32_t i = 0; i < nt; ++i) {
-        bf16* oi = o + i * o_row + (int64_t)(h * G + g) * D + d0;
-        for (int j = 0; j < 16; ++j) oi[j] = bf16(tile[j][i]);
+      for (int gb = 0; gb < GB; ++gb) {
+        const int32_t g = g0 + gb;
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_load_ps(lf + g * 16));
+        alignas(64) float tile[DB][16];  // [feature][token]
+        for (int j = 0; j < DB; ++j) _mm512_store_ps(tile[j], _mm512_mul_ps(acc[gb][j], inv));
+        for (int32_t i = 0; i < nt; ++i) {
+          bf16* oi = o + i * o_row + (int64_t)(h * G + g) * D + d0;
+          for (int j = 0; j < DB; ++j) oi[j] = bf16(tile[j][i]);
+        }
       }
     }
   }
@@ -985,12 +1008,21 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& out, const at::Ten
       }
       const bf16* qi = qp + (int64_t)(row0 + t) * q_row;
       bf16* oi = op + (int64_t)(row0 + t) * o_row;
-      if (D == 64)
-        prefill_tile<64>(qi, q_row, oi, o_row, kp, vp, s_blk, s_off, s_head, tp + c * t_row, bs,
-                         h, G, nt, firsts, ends, (float)scale, sc);
-      else
-        prefill_tile<128>(qi, q_row, oi, o_row, kp, vp, s_blk, s_off, s_head, tp + c * t_row, bs,
-                          h, G, nt, firsts, ends, (float)scale, sc);
+      const auto run = [&](auto d, auto gb) {
+        prefill_tile<decltype(d)::value, decltype(gb)::value>(
+            qi, q_row, oi, o_row, kp, vp, s_blk, s_off, s_head, tp + c * t_row, bs, h, G, nt,
+            firsts, ends, (float)scale, sc);
+      };
+      using D64 = std::integral_constant<int, 64>;
+      using D128 = std::integral_constant<int, 128>;
+      const auto heads = [&](auto d) {  // query heads at once: the largest of 4..1 dividing G
+        if (G % 4 == 0) run(d, std::integral_constant<int, 4>{});
+        else if (G % 3 == 0) run(d, std::integral_constant<int, 3>{});
+        else if (G % 2 == 0) run(d, std::integral_constant<int, 2>{});
+        else run(d, std::integral_constant<int, 1>{});
+      };
+      if (D == 64) heads(D64{});
+      else heads(D128{});
     }
   });
 #endif
