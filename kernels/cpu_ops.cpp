@@ -691,10 +691,9 @@ std::vector<int64_t> decode_lanes() {
   return lanes;
 }
 
-void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const at::Tensor& tables,
-                      const at::Tensor& rows, const at::Tensor& firsts, const at::Tensor& lens,
-                      double scale, int64_t lanes) {
+// What decode_attention and prefill_attention need of q, out and the caches.
+void check_attention_args(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "q and out must be [tokens, heads, head_dim] of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
@@ -707,6 +706,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
               "layout, contiguous in head_dim");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "head_dim or head counts of q and the cache disagree");
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& tables,
+                      const at::Tensor& rows, const at::Tensor& firsts, const at::Tensor& lens,
+                      double scale, int64_t lanes) {
+  check_attention_args(q, out, k_cache, v_cache);
   for (const auto* t : {&tables, &rows, &firsts, &lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors: int32");
   const auto avail = decode_lanes();
@@ -946,21 +952,11 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& out, const at::Ten
                        const at::Tensor& v_cache, const at::Tensor& tables,
                        const at::Tensor& chunks, double scale) {
   TORCH_CHECK(kPrefillTiles, "prefill_attention: built without AVX-512 BF16");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
+  check_attention_args(q, out, k_cache, v_cache);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
               "prefill_attention: bf16 q, out and caches");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
-                  out.stride(1) == out.size(2),
-              "q and out rows must be contiguous [heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1,
-              "K and V caches must be [blocks, block_size, kv_heads, head_dim] views of one "
-              "layout, contiguous in head_dim");
   const int32_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0 && Hq / Hkv <= 16,
-              "head_dim or head counts of q and the cache disagree (at most 16 query heads a "
-              "KV head)");
+  TORCH_CHECK(Hq / Hkv <= 16, "prefill_attention: at most 16 query heads a KV head");
   TORCH_CHECK(D == 64 || D == 128, "prefill_attention: head_dim 64 or 128, got ", D);
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() &&
                   chunks.scalar_type() == at::kInt && chunks.is_contiguous() &&

@@ -13,6 +13,7 @@ tokens/s with speculation off and on, per workload and concurrency.
 
 from __future__ import annotations
 
+import math
 import statistics
 import textwrap
 from pathlib import Path
@@ -106,7 +107,9 @@ def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> 
     marker; returns the PNG's path."""
     plt = pyplot()
     dtypes = sorted({dt for _, r in runs for dt in r["results"]})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False)
+    # one panel gets the width its legend's long labels need in two columns
+    width = 5.5 * len(dtypes) if len(dtypes) > 1 else 9.0
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(width, 4.2), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, dt in zip(axes[0], dtypes, strict=True):
         have = [(label, r["results"][dt]) for label, r in runs if dt in r["results"]]
@@ -143,10 +146,11 @@ def engine_profile(runs: list[tuple[str, dict[str, Any]]], path: str | Path) -> 
         ax.set(title=f"{dt}: seconds of one generate()", ylabel="s")
         ax.grid(True, axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3, frameon=False)
+    ncol = 3 if len(dtypes) > 1 else 2
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=ncol, frameon=False)
     model = runs[-1][1].get("model", "")
     fig.suptitle(f"spur bench engine: {model}, where spur's time went", fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.02 + 0.04 * math.ceil(len(labels) / ncol), 1, 1))
     return save(plt, fig, path)
 
 

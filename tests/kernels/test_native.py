@@ -199,6 +199,48 @@ def test_out_of_range_block_ids_are_refused_before_the_kernel_reads():
         paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
 
 
+def test_out_of_range_block_ids_in_a_prefill_chunk_are_refused():
+    case = make_case(
+        [(0, 20), (5, 1)],
+        dtype=torch.bfloat16,
+        cache_dtype=torch.bfloat16,
+        head_dim=64,
+        block_size=16,
+    )
+    case.metadata.block_tables[0, 1] = case.kv_cache.shape[1]
+    with pytest.raises(ValueError, match="outside"):
+        paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+
+
+def test_prefill_attention_refuses_what_it_does_not_serve():
+    lib = native.ops()
+    assert lib is not None
+    if not lib.prefill_tiles_supported():
+        with pytest.raises(RuntimeError, match="built without AVX-512 BF16"):
+            lib.prefill_attention(*_prefill_args(torch.bfloat16, 64))
+        return
+    with pytest.raises(RuntimeError, match="bf16 q, out and caches"):
+        lib.prefill_attention(*_prefill_args(torch.float32, 64))
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128, got 32"):
+        lib.prefill_attention(*_prefill_args(torch.bfloat16, 32))
+    q, out, k, v, tables, chunks, scale = _prefill_args(torch.bfloat16, 64)
+    with pytest.raises(RuntimeError, match=r"chunks \[C, 4\]"):
+        lib.prefill_attention(q, out, k, v, tables, chunks[:, :3].contiguous(), scale)
+
+
+def _prefill_args(dtype: torch.dtype, head_dim: int) -> tuple:
+    case = make_case([(0, 20)], dtype=dtype, cache_dtype=dtype, head_dim=head_dim, block_size=16)
+    plan = native.plan_prefills(
+        case.metadata.block_tables,
+        [(0, 0, 20, 20)],
+        None,
+        num_blocks=case.kv_cache.shape[1],
+        block_size=16,
+    )
+    k, v = case.kv_cache.unbind(0)
+    return case.query, torch.empty_like(case.query), k, v, plan.tables, plan.chunks, case.scale
+
+
 # --------------------------------------------------------------------------- fused ops
 # Each against the torch path it replaces (the layer with SPUR_NATIVE_KERNELS=0).
 # float32: equal up to summation order; bfloat16: the same rounding points, so at
