@@ -213,17 +213,20 @@ def _table_rows(
     block_tables: torch.Tensor, reqs: list[int], longest: int, num_blocks: int, block_size: int
 ) -> torch.Tensor:
     """The block-table rows of `reqs`, int32 and contiguous, checked as the kernels need
-    (they have no bounds checks): ids in [0, num_blocks), rows covering `longest`."""
-    tables = block_tables[torch.tensor(reqs)].to(torch.int32).contiguous()
+    (they have no bounds checks): rows covering `longest`, ids in [0, num_blocks). Only
+    the blocks `longest` tokens use are kept: the per-token prefill entries repeat a
+    row per token, and tables sized for max_model_len are mostly unused."""
+    width = -(-longest // block_size)
+    if width > block_tables.shape[1]:
+        raise ValueError(
+            f"a context of {longest} tokens needs more than the table's "
+            f"{block_tables.shape[1]} blocks of {block_size}: the block table is truncated"
+        )
+    tables = block_tables[torch.tensor(reqs), :width].to(torch.int32).contiguous()
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise ValueError(
             f"block table holds ids outside [0, {num_blocks}): the metadata does not "
             "belong to this KV cache"
-        )
-    if longest > tables.shape[1] * block_size:
-        raise ValueError(
-            f"a context of {longest} tokens needs more than the table's "
-            f"{tables.shape[1]} blocks of {block_size}: the block table is truncated"
         )
     return tables
 
