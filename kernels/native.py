@@ -262,7 +262,14 @@ def plan_prefills(
 ) -> PrefillPlan:
     """Index arrays of prefill chunks (request, first query row, query tokens, context
     length); query token i of a chunk sits at position context - tokens + i. Raises
-    ValueError as plan_decodes does."""
+    ValueError as plan_decodes does, and for a chunk of no tokens or more tokens than
+    its context (the kernel would index before its buffers)."""
+    bad = [c for c in chunks if not 1 <= c[2] <= c[3]]
+    if bad:
+        raise ValueError(
+            f"prefill chunk (request, row, tokens, context) {bad[0]}: a chunk needs 1 to "
+            "context tokens; the metadata's query_start_loc and seq_lens disagree"
+        )
     window = sliding_window or 0
     return PrefillPlan(
         chunks=torch.tensor(

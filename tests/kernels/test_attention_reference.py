@@ -6,6 +6,7 @@ import pytest
 import torch
 from kernel_cases import DECODES, FP8, MANY_DECODES, MIXED, dense_attention, make_case
 
+from spur.actors.worker.compute_dtype import cpu_flags
 from spur.kernels import (
     build_attention_metadata,
     native,
@@ -56,7 +57,12 @@ PREFILLS = [(0, 40), (9, 1), (21, 30), (0, 1), (33, 17)]
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (128, 4, 8)])
+# group: query heads a KV head; the tiles take them 4, 3, 2 or 1 at once (G 8: two
+# blocks of 4; G 5: five of 1)
+@pytest.mark.parametrize(
+    ("head_dim", "group", "block_size"),
+    [(64, 3, 16), (128, 4, 8), (64, 1, 16), (128, 2, 16), (64, 8, 16), (64, 5, 8)],
+)
 @pytest.mark.parametrize("sliding_window", [None, 7])
 def test_prefill_chunks_in_the_native_kernels(
     dtype, atol, head_dim, group, block_size, sliding_window
@@ -103,6 +109,27 @@ def test_prefill_chunks_in_the_native_kernels(
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             assert not torch.equal(outs[a], outs[b]), (a, b)
+
+
+def test_prefill_tiles_serve_bf16_on_cpus_with_avx512_bf16():
+    """Where the CPU has AVX-512 BF16 the build has the tiles and bf16 prefill takes
+    them (elsewhere the test above checks the other paths, and this one says so)."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("no AVX-512 BF16 on this CPU: bf16 prefill runs in the decode kernel")
+    case = make_case(PREFILLS, dtype=torch.bfloat16, cache_dtype=torch.bfloat16, head_dim=64)
+    lib = native.decode_kernel(case.query, case.kv_cache)
+    assert lib is not None and native.prefill_tiles(lib, case.query, case.kv_cache)
+
+
+def test_plan_prefills_refuses_a_chunk_longer_than_its_context():
+    with pytest.raises(ValueError, match="1 to context tokens"):
+        native.plan_prefills(
+            torch.zeros(1, 4, dtype=torch.int32),
+            [(0, 0, 40, 11)],
+            None,
+            num_blocks=4,
+            block_size=16,
+        )
 
 
 @pytest.mark.parametrize("group", [1, 3])

@@ -226,6 +226,9 @@ def test_prefill_attention_refuses_what_it_does_not_serve():
     q, out, k, v, tables, chunks, scale = _prefill_args(torch.bfloat16, 64)
     with pytest.raises(RuntimeError, match=r"chunks \[C, 4\]"):
         lib.prefill_attention(q, out, k, v, tables, chunks[:, :3].contiguous(), scale)
+    longer = torch.tensor([[0, 20, 11, 0]], dtype=torch.int32)  # more tokens than context
+    with pytest.raises(RuntimeError, match="1 to context tokens within q's rows"):
+        lib.prefill_attention(q, out, k, v, tables, longer, scale)
 
 
 def _prefill_args(dtype: torch.dtype, head_dim: int) -> tuple:
