@@ -584,15 +584,30 @@ def _register_request_models() -> None:
 _register_request_models()
 
 
+REQUEST_EXAMPLES: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": "Say hello.", "max_tokens": 8},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+    },
+    "/tokenize": {"prompt": "Say hello."},
+    "/detokenize": {"tokens": [1, 2, 3]},
+    "/admin/reset_prefix_cache": {},
+}
+"""Route path -> a request every deployment accepts (no `model`: the first served one),
+published as the schema's `examples`: in /docs, and the first case a fuzzer sends."""
+
+
 def request_schemas(served_models: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """JSON Schemas of every request model and the models they nest, keyed by
     model name, with references as `#/components/schemas/NAME` (an OpenAPI
-    document's components). `model` is narrowed to the served names (or null),
-    so that a generated client or a fuzzer forms requests that reach an engine.
-    Pure."""
+    document's components), each with its REQUEST_EXAMPLES request. `model` is
+    narrowed to the served names (or null), so that a generated client or a fuzzer
+    forms requests that reach an engine. Pure."""
     out: dict[str, dict[str, Any]] = {}
-    for cls in REQUEST_MODELS.values():
+    for path, cls in REQUEST_MODELS.items():
         schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema["examples"] = [REQUEST_EXAMPLES[path]]
         for name, sub in schema.pop("$defs", {}).items():
             out.setdefault(name, sub)
         if served_models and "model" in schema.get("properties", {}):

@@ -642,3 +642,14 @@ def test_error_constructors() -> None:
     assert ie.status == 500 and "secret" not in ie.message
     with pytest.raises(ValueError):
         ProtocolError(200, "ok")
+
+
+def test_every_published_request_example_is_accepted():
+    """/openapi.json shows one example per request body (REQUEST_EXAMPLES): each must
+    parse as its route's request, with any served model narrowed in."""
+    schemas = rq.request_schemas(["tiny"])
+    assert set(rq.REQUEST_EXAMPLES) == set(rq.REQUEST_MODELS)
+    for path, cls in rq.REQUEST_MODELS.items():
+        (example,) = schemas[cls.__name__]["examples"]
+        assert example == rq.REQUEST_EXAMPLES[path]
+        rq.parse_request(cls, example)

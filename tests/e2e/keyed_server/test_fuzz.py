@@ -5,8 +5,10 @@ For each operation, cases generated from the published schema (positive) and
 against it (negative): no response is a 5xx, every 4xx carries OpenAI's error
 body, every operation with a request body is answered 2xx at least once (the
 fuzzing reaches the engine: a schema the server rejects wholesale, schemathesis's
-"schema validation mismatch", fails the test), the server keeps serving, and
-afterwards every engine's pool has every block free and no leak reported.
+"schema validation mismatch", fails the test; each schema's published example is
+the first positive case, since 30 generated chat requests may all be invalid by
+rules a schema cannot state), the server keeps serving, and afterwards every
+engine's pool has every block free and no leak reported.
 
 SPUR_FUZZ_EXAMPLES sets the cases per operation and mode (default 30; the
 README's figures come from 250).
