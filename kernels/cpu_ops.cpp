@@ -139,19 +139,18 @@ inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D
 // Calls run(first row, n, t) for the runs of n <= max_run consecutive rows of one
 // block that cover positions first + t, t in [0, width), of one head's K or V cache
 // through the block table. Block by block: a block's rows are s_off apart, so no
-// division per position; the block AHEAD blocks on is prefetched (`span` elements of
-// each row) before this one is used (AHEAD 0: none; the caller prefetches).
+// division per position; the next block is prefetched (`span` elements of each row)
+// before this one is used (AHEAD 0: none; the caller prefetches, as attend_bf16 does).
 template <int AHEAD = 1, typename KV, typename Run>
 inline void for_each_block_run(const KV* base, int64_t s_blk, int64_t s_off,
                                const int32_t* table, int32_t first, int32_t width, int32_t bs,
                                int32_t span, int32_t max_run, Run&& run) {
   const int32_t end = first + width, b0 = first / bs, blocks = (end + bs - 1) / bs;
-  for (int32_t b = b0; AHEAD > 1 && b < std::min(b0 + AHEAD, blocks); ++b)
-    prefetch_rows(base + (int64_t)table[b] * s_blk, s_off, bs, span);
   for (int32_t b = b0, t = 0; t < width; ++b) {
     const KV* blk = base + (int64_t)table[b] * s_blk;
-    if (AHEAD > 0 && b + AHEAD < blocks)
-      prefetch_rows(base + (int64_t)table[b + AHEAD] * s_blk, s_off, bs, span);
+    static_assert(AHEAD == 0 || AHEAD == 1, "one block ahead, or none");
+    if (AHEAD == 1 && b + 1 < blocks)
+      prefetch_rows(base + (int64_t)table[b + 1] * s_blk, s_off, bs, span);
     int32_t lo = (b == b0) ? first % bs : 0;
     const int32_t hi = std::min<int32_t>(bs, end - b * bs);
     while (lo < hi) {

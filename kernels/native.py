@@ -298,11 +298,7 @@ def prefill_attention(
     """Causal attention of the plan's prefill chunks over the paged cache in place, in
     tiles of 16 query tokens (kernels/cpu_ops.cpp); writes their rows of out, nothing
     else. Shapes as in decode_attention; see prefill_tiles for what it serves."""
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("K and V views of the cache must share one layout")
-    q = query if query.stride(1) == query.shape[2] else query.contiguous()
-    if out.stride(1) != out.shape[2] or out.stride(2) != 1:
-        raise ValueError("out must be contiguous in [num_heads, head_dim]")
+    q = _attention_query(query, out, k_cache, v_cache)
     lib.prefill_attention(q, out, k_cache, v_cache, plan.tables, plan.chunks, scale)
 
 
@@ -331,14 +327,22 @@ def decode_attention(
     [num_blocks, block_size, num_kv_heads, head_dim] views of one layer's cache.
     lanes: the kernel's path, one of decode_lanes(lib); 0 (serving) is the widest.
     """
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("K and V views of the cache must share one layout")
-    q = query if query.stride(1) == query.shape[2] else query.contiguous()
-    if out.stride(1) != out.shape[2] or out.stride(2) != 1:
-        raise ValueError("out must be contiguous in [num_heads, head_dim]")
+    q = _attention_query(query, out, k_cache, v_cache)
     lib.decode_attention(
         q, out, k_cache, v_cache, plan.tables, plan.rows, plan.firsts, plan.lens, scale, lanes
     )
+
+
+def _attention_query(
+    query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> torch.Tensor:
+    """query with rows contiguous in [num_heads, head_dim], as both attention ops read
+    it; ValueError for K/V views of different layouts or an out they cannot write."""
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V views of the cache must share one layout")
+    if out.stride(1) != out.shape[2] or out.stride(2) != 1:
+        raise ValueError("out must be contiguous in [num_heads, head_dim]")
+    return query if query.stride(1) == query.shape[2] else query.contiguous()
 
 
 def decode_lanes(lib: Any) -> list[int]:

@@ -234,9 +234,10 @@ def paged_attention_ref(
 
     Returns out (allocated if None) with padding rows zeroed. Scores and softmax
     are accumulated in float32. On CPU, decodes on a float32 or bfloat16 cache go to
-    the C kernel (kernels/native.py), float32 throughout, and so do the tokens of
-    prefill chunks of contexts up to NATIVE_PREFILL_MAX_CONTEXT, each as a decode
-    over its own causal window. On the SDPA path a
+    the C kernel (kernels/native.py), float32 throughout; bf16 prefill chunks go to
+    its query tiles (`native.prefill_tiles`: AVX-512 BF16 builds), and otherwise
+    the tokens of prefill chunks of contexts up to NATIVE_PREFILL_MAX_CONTEXT go to
+    the decode kernel, each as a decode over its own causal window. On the SDPA path a
     bfloat16 / float16 cache read by queries of the same dtype is attended in that
     dtype (SDPA accumulates in float32 and rounds the probabilities to the input
     dtype for the weighted sum, as the Triton kernel does), which skips a float32
