@@ -47,6 +47,7 @@ from spur.actors.worker.sampling_metadata import (
     RowValues,
     SamplingMetadata,
 )
+from spur.kernels import native
 
 # Top-p looks at this many most likely tokens before it resorts to a full sort.
 _TOP_P_CANDIDATES = 256
@@ -213,10 +214,15 @@ def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
     """The greedy token of each row: [num_rows, vocab] -> [num_rows] int64.
 
     The index of the first maximal value, exactly `logits.argmax(dim=-1)` (ties, NaN
-    and -inf rows included; tests/worker/test_sampler.py checks it against argmax), but
-    through `max(dim=-1)`: on CPU torch's argmax runs about 3x slower (1.34 vs 0.47 ms
-    for [36, 49152] float32 on 2 cores), and the greedy pick ran once per step.
+    and -inf rows included; tests/worker/test_sampler.py checks it against argmax). On
+    CPU it is the native `argmax_rows` where the ops are built (float32 rows of unit
+    stride): torch's argmax took 1.34 ms for [36, 49152] on 2 cores and its
+    `max(dim=-1)`, the fallback here, 0.47-0.59 ms, once per step.
     """
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        lib = native.usable(logits) if logits.shape[0] and logits.shape[1] else None
+        if lib is not None:
+            return lib.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

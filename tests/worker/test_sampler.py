@@ -64,19 +64,43 @@ def test_greedy_is_argmax_on_the_fast_path() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_pick_is_argmax_with_ties_nan_and_inf(dtype) -> None:
-    """greedy_ids_of goes through max(dim=-1) for speed: it must pick argmax's index,
-    the first maximal one, on rows full of ties (small integers), with a NaN, and with
-    every value -inf, at vocab sizes on both sides of torch's vectorised widths."""
+    """greedy_ids_of (the native argmax_rows for float32 rows, torch's max(dim=-1)
+    otherwise) must pick argmax's index, the first maximal one, on rows full of ties
+    (small integers), with NaNs (the first one wins, in the vector body or the tail),
+    +inf, and every value -inf, at vocab sizes on both sides of the 16-lane widths."""
+    from spur.kernels import native
+
+    lib = native.ops()
     gen = torch.Generator().manual_seed(0)
-    for case in range(120):
+    for case in range(160):
         rows = int(torch.randint(1, 40, (1,), generator=gen))
-        vocab = int(torch.randint(2, 50_000, (1,), generator=gen))
+        vocab = int(torch.randint(1, 50_000 if case % 2 else 70, (1,), generator=gen))
         x = torch.randint(-3, 4, (rows, vocab), generator=gen).to(dtype)
         if case % 3 == 0:
             x[0, vocab // 2] = float("nan")
+            x[0, -1] = float("nan")  # a later NaN (in the tail, for most vocab sizes)
+        if case % 7 == 0:
+            x[rows // 2, vocab - 1] = float("inf")
         if case % 5 == 0:
             x[-1] = float("-inf")
-        assert torch.equal(greedy_ids_of(x), x.argmax(dim=-1)), (rows, vocab, case)
+        expected = x.argmax(dim=-1)
+        assert torch.equal(greedy_ids_of(x), expected), (rows, vocab, case)
+        if lib is not None and dtype == torch.float32:
+            assert torch.equal(lib.argmax_rows(x), expected), (rows, vocab, case)
+
+
+def test_native_argmax_refuses_what_it_cannot_read() -> None:
+    from spur.kernels import native
+
+    lib = native.ops()
+    if lib is None:
+        pytest.skip("native ops not built here")
+    for bad in (torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(3, 0)):
+        with pytest.raises(RuntimeError, match="argmax_rows: x must be"):
+            lib.argmax_rows(bad)
+    # a strided view (every other column) goes to torch's path in greedy_ids_of
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))[:, ::2]
+    assert torch.equal(greedy_ids_of(x), x.argmax(dim=-1))
 
 
 def test_fast_path_does_not_look_at_requests() -> None:
