@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         "computes them (the ceiling: the ratio if nothing else cost time) and on spur's",
     )
     engine.add_argument(
+        "--share-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --matmul-floor: measure the run and its matmul replay N times in "
+        "back-to-back pairs and report the median share (ceiling_share_median)",
+    )
+    engine.add_argument(
         "--plot",
         default=None,
         metavar="PATH.png",
@@ -755,19 +763,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         earlier = _earlier_runs(args.plot_with)
 
-        result = engine.run(
-            num_requests=args.requests,
-            seed=args.seed,
-            dtypes=tuple(d for d in args.dtypes.split(",") if d),
-            model=args.model,
-            quick=args.quick,
-            matmul_floor=args.matmul_floor,
-            prefix_hit_tokens=(
-                args.prefix_hit
-                if args.prefix_hit is not None
-                else (2048 if args.model == "hybrid" else 0)
-            ),
-        )
+        try:
+            result = engine.run(
+                num_requests=args.requests,
+                seed=args.seed,
+                dtypes=tuple(d for d in args.dtypes.split(",") if d),
+                model=args.model,
+                quick=args.quick,
+                matmul_floor=args.matmul_floor,
+                share_rounds=args.share_rounds,
+                prefix_hit_tokens=(
+                    args.prefix_hit
+                    if args.prefix_hit is not None
+                    else (2048 if args.model == "hybrid" else 0)
+                ),
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     elif args.bench == "autoscale":
         from spur.cluster.bench import autoscale
 

@@ -162,6 +162,7 @@ def run_spur_arm(
     seed: int,
     llm_kwargs: dict[str, Any],
     matmul_floor: bool = False,
+    share_rounds: int = 1,
 ) -> dict[str, Any]:
     """Load `LLM`, warm it up, time one `generate` of every request; shut it down.
 
@@ -176,6 +177,14 @@ def run_spur_arm(
     per step, a memory-bound cost that no kernel removes. So the arm also measures
     the device's read rate (`ModelRunner.memory_read_rate`) and reports
     `kv_read_floor_s`, the workload's decode K/V bytes at that rate (see `_kv_floor`).
+
+    `share_rounds` > 1 (with `matmul_floor`) pairs the share's two times again: the
+    run and its torch-path replay are measured `share_rounds` times in all, each extra
+    round on an emptied prefix cache, alternating which of the two goes first, and
+    `share_rounds` lists each round's `matmul_s / elapsed`, `matmul_share_median` their
+    median. One run and one replay minutes apart each carry the machine's drift of the
+    moment (10-20% within an hour on a shared 2-core VM); a round's two times are
+    taken back to back. A round whose steps differ from the first's is marked.
     """
     from spur.actors.llm import LLM
     from spur.actors.step import SamplingParams
@@ -219,6 +228,10 @@ def run_spur_arm(
                     block_bytes // llm.scheduler.block_size
                 )
                 floor.update(_kv_floor(kv_bytes, rate, matmul_s, elapsed))
+                if share_rounds > 1:
+                    floor.update(
+                        _share_rounds(llm, prompts, params, shapes, share_rounds, matmul_s, elapsed)
+                    )
             profile = step_profile(before_times, after_times, elapsed, spur_matmul_s)
         finally:
             llm.shutdown()
@@ -340,6 +353,46 @@ def prefix_hit_speedup(
     }
 
 
+def _share_rounds(
+    llm: Any,
+    prompts: list[list[int]],
+    params: list[Any],
+    shapes: list[tuple[int, int, int]],
+    rounds: int,
+    matmul_s: float,
+    elapsed: float,
+) -> dict[str, Any]:
+    """`rounds` paired (run, torch-path replay) measurements, the first given; see
+    `run_spur_arm`. Odd rounds replay first, even ones run first."""
+    out = [{"elapsed_s": round(elapsed, 3), "matmul_s": round(matmul_s, 3)}]
+    for r in range(1, rounds):
+        llm.scheduler.kv.reset_prefix_cache()
+        replay = None
+        if r % 2:
+            replay = max(llm.executor.collective_rpc("time_matmuls", (shapes, True)))
+        before = llm.executor.collective_rpc("step_times")[0]["shapes"]
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        run_s = time.perf_counter() - t0
+        steps = _shape_delta(before, llm.executor.collective_rpc("step_times")[0]["shapes"])
+        if replay is None:
+            replay = max(llm.executor.collective_rpc("time_matmuls", (shapes, True)))
+        out.append(
+            {
+                "elapsed_s": round(run_s, 3),
+                "matmul_s": round(replay, 3),
+                "order": "replay, run" if r % 2 else "run, replay",
+                "same_steps": sorted(steps) == sorted(shapes),
+            }
+        )
+    for o in out:
+        o["share"] = round(o["matmul_s"] / o["elapsed_s"], 3)
+    shares = sorted(o["share"] for o in out)
+    mid = len(shares) // 2
+    median = shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+    return {"share_rounds": out, "matmul_share_median": round(median, 3)}
+
+
 def _shape_delta(before: list[list[int]], after: list[list[int]]) -> list[tuple[int, int, int]]:
     """Step shapes (tokens, logits rows, count) counted between two snapshots."""
     old = {(n, m): c for n, m, c in before}
@@ -428,6 +481,7 @@ def run(
     hf_batch_size: int | None = None,
     llm_kwargs: dict[str, Any] | None = None,
     matmul_floor: bool = False,
+    share_rounds: int = 1,
     prefix_hit_tokens: int = 0,
 ) -> dict[str, Any]:
     """Run the engine benchmark; returns a JSON-ready dict (see the module docstring).
@@ -444,6 +498,9 @@ def run(
             and report `matmul_ceiling_ratio`: the ratio spur would reach if only
             its matmuls cost time (each step shape timed 3 times, the fastest kept).
             Adds about the spur arm's own time.
+        share_rounds: with `matmul_floor`, measure the share's run and replay this
+            many times in pairs (`run_spur_arm`); `ceiling_share_median` is their
+            median. Each extra round adds about twice the spur arm's time.
         prefix_hit_tokens: when > 0, also time a prefill whose prefix of that many
             tokens is cached against a cold one, per dtype (`prefix_hit_speedup`).
 
@@ -459,6 +516,11 @@ def run(
         raise ValueError(f"arms {arms!r}: choose from 'spur' and 'hf'")
     if not dtypes:
         raise ValueError("dtypes is empty: give at least one of 'float32', 'bfloat16'")
+    if share_rounds < 1 or (share_rounds > 1 and not matmul_floor):
+        raise ValueError(
+            f"share_rounds {share_rounds}: give 1, or more together with matmul_floor "
+            "(the rounds pair the run with its matmul replay)"
+        )
     n = num_requests if num_requests is not None else (8 if quick else 64)
     batch_size = hf_batch_size or (4 if quick else HF_BATCH_SIZE)
     model_dir = resolve_model_dir(model)
@@ -484,6 +546,7 @@ def run(
                     seed=seed,
                     llm_kwargs=llm_kwargs or {},
                     matmul_floor=matmul_floor,
+                    share_rounds=share_rounds,
                 )
             else:
                 entry["hf"] = run_hf_arm(
@@ -508,6 +571,10 @@ def run(
                     entry["ceiling_share"] = round(
                         entry["throughput_ratio"] / entry["matmul_ceiling_ratio"], 3
                     )
+                    if "matmul_share_median" in s:
+                        # ceiling_share = spur tok/s / ceiling tok/s = matmul_s / elapsed
+                        # (every sampled row is one useful token): the rounds' median
+                        entry["ceiling_share_median"] = s["matmul_share_median"]
             entry["token_match"] = _token_match(s["token_ids"], h["token_ids"])
             if s["kv_slots_allocated_peak"] and h["kv_slots_allocated_peak"]:
                 entry["kv_slots_peak_ratio"] = round(

@@ -239,6 +239,38 @@ def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir, tp):
     )
 
 
+def test_bench_engine_share_rounds_pair_each_run_with_its_replay(llama_dir):
+    """`share_rounds`: the run and its torch-path replay measured again in pairs, the
+    prefix cache emptied between runs (with it on, a repeat would hit every prompt and
+    take fewer, smaller steps), the order alternating; the headline is the median."""
+    from spur.cluster.bench import engine
+
+    out = engine.run(
+        model=str(llama_dir),
+        quick=True,
+        dtypes=("float32",),
+        llm_kwargs={"num_kv_blocks": 64, "enable_prefix_caching": True},
+        matmul_floor=True,
+        share_rounds=3,
+    )
+    entry = out["results"]["float32"]
+    spur = entry["spur"]
+    rounds = spur["share_rounds"]
+    assert len(rounds) == 3
+    assert rounds[0]["elapsed_s"] == spur["elapsed_s"] and rounds[0]["matmul_s"] == spur["matmul_s"]
+    assert [r.get("order") for r in rounds] == [None, "replay, run", "run, replay"]
+    assert all(r["same_steps"] for r in rounds[1:])
+    for r in rounds:
+        assert r["elapsed_s"] > 0 and r["matmul_s"] > 0
+        assert r["share"] == pytest.approx(r["matmul_s"] / r["elapsed_s"], abs=1e-3)
+    assert spur["matmul_share_median"] == sorted(r["share"] for r in rounds)[1]
+    assert entry["ceiling_share_median"] == spur["matmul_share_median"]
+    with pytest.raises(ValueError, match="together with matmul_floor"):
+        engine.run(model=str(llama_dir), quick=True, dtypes=("float32",), share_rounds=2)
+    with pytest.raises(ValueError, match="share_rounds 0"):
+        engine.run(model=str(llama_dir), quick=True, dtypes=("float32",), share_rounds=0)
+
+
 def test_decode_reads_count_the_prompt_and_the_tokens_before():
     """Token 0 comes from the prefill; token i >= 1 reads P + i positions."""
     from spur.cluster.bench.engine import decode_kv_positions
