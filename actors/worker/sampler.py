@@ -217,7 +217,7 @@ def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
     and -inf rows included; tests/worker/test_sampler.py checks it against argmax). On
     CPU it is the native `argmax_rows` where the ops are built (float32 rows of unit
     stride): torch's argmax took 1.34 ms for [36, 49152] on 2 cores and its
-    `max(dim=-1)`, the fallback here, 0.47-0.59 ms, once per step.
+    `max(dim=-1)`, the fallback here, 0.47-1.02 ms (the native op 0.14), once per step.
     """
     if logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         lib = native.usable(logits) if logits.shape[0] and logits.shape[1] else None

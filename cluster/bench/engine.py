@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -387,9 +388,7 @@ def _share_rounds(
         )
     for o in out:
         o["share"] = round(o["matmul_s"] / o["elapsed_s"], 3)
-    shares = sorted(o["share"] for o in out)
-    mid = len(shares) // 2
-    median = shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+    median = statistics.median(o["share"] for o in out)
     return {"share_rounds": out, "matmul_share_median": round(median, 3)}
 
 
