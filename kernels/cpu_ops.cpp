@@ -128,12 +128,18 @@ void parallel_blocks(int64_t n, int64_t grain, const F& f) {
 // Ask for the next block's rows of this head while the current one is computed: the
 // blocks of a context sit at scattered addresses, which the hardware prefetchers do
 // not follow, and a task would otherwise wait on every block's first rows.
+// Prefetches of K/V lines go to L2 (locality 2: prefetcht1), not L1 (prefetcht0):
+// a context's lines are used once, and asked into L1 they evict the scores and sums
+// the arithmetic works on; into L2 the kernel read 1.25-1.3x (float32 cache) and 1.5-1.8x
+// (bf16, LineFeed below) as many bytes a second from memory (BENCHMARKS.md, nineteenth round).
+constexpr int kKvPrefetchLocality = 2;
 template <typename KV>
 inline void prefetch_rows(const KV* base, int64_t s_off, int32_t rows, int32_t D) {
   const int64_t row_bytes = (int64_t)D * sizeof(KV);
   for (int32_t j = 0; j < rows; ++j) {
     const char* r = reinterpret_cast<const char*>(base + (int64_t)j * s_off);
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, 3);
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      __builtin_prefetch(r + off, 0, kKvPrefetchLocality);
   }
 }
 
@@ -484,7 +490,7 @@ struct LineFeed {
   // Prefetches the next n lines (fewer at the context's end).
   inline void feed(int64_t n) {
     for (; n > 0 && b < end; --n) {
-      __builtin_prefetch(cur, 0, 3);
+      __builtin_prefetch(cur, 0, kKvPrefetchLocality);  // into L2: see prefetch_rows
       cur += 64;
       if (cur < seg_end) continue;
       if (++seg < segs) {
@@ -1445,8 +1451,10 @@ inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* b
     for (int64_t q = s * part; q < pe; ++q) {
       const bf16* wq = bp + q * 64;
       if (next != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64 + 32), _MM_HINT_T0);
+        // the next panel into L2 (T1): at decode's 16-64 rows the LM head ran 1.1-1.4x
+        // faster than with T0, neutral from 96 rows up (nineteenth round)
+        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64 + 32), _MM_HINT_T1);
       }
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq));
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq + 32));
