@@ -8,6 +8,7 @@ is what these tests rely on.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -225,17 +226,42 @@ def test_stream_include_usage(openai_client: Any, http: Any) -> None:
 
 
 # -- prefix cache --------------------------------------------------------------------------
+def _routing(http: Any) -> tuple[int, int]:
+    """Lane tiny's routing decisions so far, and their matched blocks in all."""
+    r = http.get("/admin/routing").json()
+    decisions = sum(d["count"] for d in r["decisions"] if d["lane"] == MODEL)
+    return decisions, int(r["matched_blocks_sum"].get(MODEL, 0))
+
+
+def _wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while (last := check()) is None or last is False:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return last
+
+
 def test_repeated_prompt_is_served_from_the_prefix_cache(openai_client: Any, http: Any) -> None:
     prompt = "In a land far away, " * 8  # several full 16-token blocks
     num_prompt = tokenize(http, prompt=prompt)["count"]
     assert num_prompt >= 32
     hits_before = http.get("/admin/engines").json()[MODEL]["prefix_hits_total"]
+    decisions_before, matched_before = _routing(http)
     first = complete(openai_client, prompt, max_tokens=2)
     second = complete(openai_client, prompt, max_tokens=2)
     assert second.choices[0].text == first.choices[0].text
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 16 <= cached < num_prompt and cached % 16 == 0
     assert http.get("/admin/engines").json()[MODEL]["prefix_hits_total"] > hits_before
+    # The lane has one replica, so the router does not wait for the index's ranking;
+    # the index still counts both decisions and recorded the first request's chain
+    # at the replica, so that the second matched at least its full blocks.
+    _, matched = _wait_for(
+        "both decisions in /admin/routing",
+        lambda: (now := _routing(http))[0] >= decisions_before + 2 and now,
+    )
+    assert matched - matched_before >= num_prompt // 16
 
 
 # -- several prompts in one request ----------------------------------------------------------
