@@ -68,8 +68,8 @@ class _IndexRouter(RequestRouter):
             # behind another, about 8 ms apart while the forward held both cores.
             only = candidate_replicas[0]
             try:
-                self._tell(only.replica_id.unique_id, pending_request)
-            except Exception as exc:  # the index restarting: the request goes on
+                self._ask([only.replica_id.unique_id], pending_request)
+            except Exception as exc:  # the request goes on without the index
                 logger.warning("KV index unavailable (%s); routing to the only replica", exc)
             return [[only]]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -82,39 +82,33 @@ class _IndexRouter(RequestRouter):
             return [candidate_replicas]
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
-    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+    def _ask(self, replica_ids: list[str], pending: PendingRequest | None) -> Any:
+        """Send the index this policy's ranking call for `replica_ids`; its ObjectRef
+        (the ranked ids) to await, or to drop when the ranking is already known."""
         raise NotImplementedError
 
-    def _tell(self, replica_id: str, pending: PendingRequest | None) -> None:
-        """The index's side of a decision made without it (`replica_id`, the only
-        candidate), sent and not awaited."""
-        raise NotImplementedError
+    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+        ranked: list[str] = await self._ask(replica_ids, pending)
+        return ranked
 
 
 class PrefixRouter(_IndexRouter):
     """Longest cached prefix, balanced against load (see `routing/policy.py`)."""
 
-    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+    def _ask(self, replica_ids: list[str], pending: PendingRequest | None) -> Any:
         payload = _payload(pending)
         chain = payload.get("block_hashes") or []
-        ranked: list[str] = await self.index.route.remote(
+        return self.index.route.remote(
             self.lane, replica_ids, chain, self.weights, payload.get("session")
         )
+
+    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
+        ranked = await super()._rank(replica_ids, pending)
         if pending is not None and ranked:
             self.first_choice[pending.metadata.internal_request_id] = ranked[0]
             while len(self.first_choice) > 10_000:
                 self.first_choice.popitem(last=False)
         return ranked
-
-    def _tell(self, replica_id: str, pending: PendingRequest | None) -> None:
-        payload = _payload(pending)
-        self.index.route.remote(
-            self.lane,
-            [replica_id],
-            payload.get("block_hashes") or [],
-            self.weights,
-            payload.get("session"),
-        )
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -129,9 +123,5 @@ class PrefixRouter(_IndexRouter):
 class RoundRobinRouter(_IndexRouter):
     """Healthy replicas in turn, the turn shared through the index."""
 
-    async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
-        ranked: list[str] = await self.index.round_robin.remote(self.lane, replica_ids)
-        return ranked
-
-    def _tell(self, replica_id: str, pending: PendingRequest | None) -> None:
-        self.index.round_robin.remote(self.lane, [replica_id])
+    def _ask(self, replica_ids: list[str], pending: PendingRequest | None) -> Any:
+        return self.index.round_robin.remote(self.lane, replica_ids)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # -- the server's config ---------------------------------------------------------------
+def wait_for(
+    what: str, check: Callable[[], Any], timeout_s: float, srv: Launched | None = None
+) -> Any:
+    """Poll `check` until it returns something truthy, and return that; fail with
+    `what` (and `srv`'s log tail, when given) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            log = f"\n{srv.log_tail()}" if srv is not None else ""
+            pytest.fail(f"no {what} within {timeout_s:.0f} s{log}")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

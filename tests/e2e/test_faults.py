@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.conftest import Launched, _tiny_engine, running, server_data, tiny_lane
+from e2e.conftest import Launched, _tiny_engine, running, server_data, tiny_lane, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -63,18 +63,6 @@ def spare_server(
                 r = http.post("/v1/completions", json={"model": lane, "prompt": "hi"})
                 assert r.status_code == 200, r.text
         yield srv
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, srv: Launched) -> Any:
-    """Poll `check` until it returns something truthy; fail with `what` and the log."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s\n{srv.log_tail()}")
-        time.sleep(0.5)
 
 
 def worker_actors(srv: Launched) -> list[int]:

@@ -8,10 +8,11 @@ is what these tests rely on.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import pytest
+
+from e2e.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -233,15 +234,6 @@ def _routing(http: Any) -> tuple[int, int]:
     return decisions, int(r["matched_blocks_sum"].get(MODEL, 0))
 
 
-def _wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while (last := check()) is None or last is False:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return last
-
-
 def test_repeated_prompt_is_served_from_the_prefix_cache(openai_client: Any, http: Any) -> None:
     prompt = "In a land far away, " * 8  # several full 16-token blocks
     num_prompt = tokenize(http, prompt=prompt)["count"]
@@ -254,13 +246,15 @@ def test_repeated_prompt_is_served_from_the_prefix_cache(openai_client: Any, htt
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 16 <= cached < num_prompt and cached % 16 == 0
     assert http.get("/admin/engines").json()[MODEL]["prefix_hits_total"] > hits_before
+
     # The lane has one replica, so the router does not wait for the index's ranking;
     # the index still counts both decisions and recorded the first request's chain
     # at the replica, so that the second matched at least its full blocks.
-    _, matched = _wait_for(
-        "both decisions in /admin/routing",
-        lambda: (now := _routing(http))[0] >= decisions_before + 2 and now,
-    )
+    def counted() -> tuple[int, int] | None:
+        decisions, matched = _routing(http)
+        return (decisions, matched) if decisions >= decisions_before + 2 else None
+
+    _, matched = wait_for("both decisions in /admin/routing", counted, 30)
     assert matched - matched_before >= num_prompt // 16
 
 
