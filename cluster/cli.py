@@ -866,6 +866,19 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _apply_cpu_target() -> None:
+    """SPUR_CPU_TARGET (configs/cpu.py): check it, and cap torch's libraries at that level
+    before anything loads torch, here and in the processes spur starts."""
+    from spur.configs import cpu
+
+    try:
+        cpu.export_torch_isa()
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+    if cpu.here().target != "native":
+        logging.getLogger("spur").warning("running as %s", cpu.describe(cpu.here()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -878,6 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.command is None:
             raise UsageError(f"choose a command: {', '.join(COMMANDS)}")
+        _apply_cpu_target()
         return HANDLERS[args.command](args)
     except UsageError as e:
         print(f"spur: error: {e}", file=sys.stderr)

@@ -47,6 +47,13 @@ def native_kernels_enabled() -> bool:
     return value not in ("0", "false", "off")
 
 
+def cpu_target() -> str:
+    """`SPUR_CPU_TARGET`: the x86-64 level spur treats this CPU as (native, x86-64-v3,
+    x86-64-v4; default native), to run, test and bench an older CPU class's code path
+    on this machine (configs/cpu.py)."""
+    return os.environ.get("SPUR_CPU_TARGET", "").strip() or "native"
+
+
 def cxx_compiler() -> str | None:
     """`CXX`, if set: the compiler that builds kernels/native.py's C++ extension."""
     return os.environ.get("CXX") or None

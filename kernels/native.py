@@ -21,7 +21,8 @@ load time to the libgomp torch has already loaded.
 The extension is compiled once per machine with `torch.utils.cpp_extension.load`
 (the C++ compiler `$CXX`, else `c++`; ninja, a pyproject dependency) into `native/`
 under spur's cache directory (`configs/env.py`), keyed by the source, the flags, the
-compiler, the torch version and the CPU's feature flags (the build uses -march=native); a cached
+compiler, the torch version and the CPU's feature flags (the build uses -march=native, or
+the x86-64 level SPUR_CPU_TARGET names: configs/cpu.py); a cached
 build loads in well under a second, a fresh one takes 20 to 60 s. Without a compiler
 or ninja, or with SPUR_NATIVE_KERNELS=0, `ops()` returns None and every caller takes
 its pure-torch path (SDPA for attention); a failed build is logged once, with the
@@ -51,12 +52,12 @@ from typing import Any
 
 import torch
 
-from spur.configs import env
+from spur.configs import cpu, env
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+FLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]  # + cpu.march_flags
 DTYPES = (torch.float32, torch.bfloat16)  # activation and cache dtypes the ops take
 
 _lock = threading.Lock()
@@ -64,13 +65,13 @@ _state: dict[str, Any] = {}
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """This CPU's flags as spur sees them (narrowed to SPUR_CPU_TARGET), one string."""
+    return " ".join(sorted(cpu.here().flags)) or platform.processor()
+
+
+def _cflags() -> list[str]:
+    """FLAGS with the -march of SPUR_CPU_TARGET (native: this CPU's own)."""
+    return [*FLAGS, *cpu.march_flags(cpu.here().target)]
 
 
 def build(cxx: str | None = None) -> Any:
@@ -93,7 +94,7 @@ def build(cxx: str | None = None) -> Any:
         raise RuntimeError("ninja is not on PATH: `pip install ninja` (a spur dependency)")
     key = hashlib.sha256(
         SOURCE.read_bytes()
-        + " ".join(FLAGS).encode()
+        + " ".join(_cflags()).encode()
         + torch.__version__.encode()
         + _cpu_flags().encode()
         + platform.machine().encode()
@@ -117,7 +118,7 @@ def build(cxx: str | None = None) -> Any:
         cpp_extension.load(
             name=f"spur_cpu_{key}",
             sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
+            extra_cflags=_cflags(),
             build_directory=str(out),
             is_python_module=False,
             verbose=False,
@@ -386,17 +387,9 @@ MKL_TUNED_VENDORS = ("GenuineIntel",)
 
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The CPU's vendor_id from /proc/cpuinfo (or the given text); "" if unknown."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    """The CPU's vendor_id from the given /proc/cpuinfo text, else this machine's; ""
+    if unknown."""
+    return (cpu.here() if cpuinfo is None else cpu.parse(cpuinfo)).vendor
 
 
 def linear_f32_serves(vendor: str) -> bool:

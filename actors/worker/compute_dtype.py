@@ -10,14 +10,14 @@ there `auto` computes a bf16 model in float32: the weights are widened once at l
 cache stays in bf16. Where the CPU has the units, `auto` keeps bf16.
 
 Pure functions of the CPU's flags (tested without the CPU they describe); the
-worker reads /proc/cpuinfo once at start and logs the choice.
+worker reads the CPU's flags once at start (configs/cpu.py) and logs the choice.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
-from pathlib import Path
+
+from spur.configs import cpu
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -30,16 +30,12 @@ NATIVE_FLAGS = {
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (or the given text); empty if unreadable."""
+    """The CPU's feature flags from the given /proc/cpuinfo text, or this machine's as
+    spur's choices see them (configs/cpu.py: narrowed to SPUR_CPU_TARGET); empty if
+    unreadable."""
     if cpuinfo is None:
-        cpuinfo = ""
-        with contextlib.suppress(OSError):
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+        return set(cpu.here().flags)
+    return set(cpu.parse(cpuinfo).flags)
 
 
 def native_dtypes(flags: Iterable[str]) -> list[str]:

@@ -7,7 +7,8 @@ cmake + ninja build the two targets the bench needs, once. The binaries are
 cached under spur's cache directory like the C decode kernel
 (`<cache>/llama_cpp/<version>-<key>/bin/`), keyed on the sdist version and the
 CPU's flags (the build uses `-DGGML_NATIVE=ON`, so a binary only runs on the CPU
-class it was built for).
+class it was built for; under SPUR_CPU_TARGET it is built for that x86-64 level
+instead, `cmake_flags`, so that the peer runs the same class of code as spur).
 
 `ensure_built()` is the one entry: it returns the bin folder, building if needed,
 and raises RuntimeError naming the fix when pip, cmake, ninja or a C++ compiler is
@@ -25,7 +26,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -33,7 +33,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from spur.configs import env
+from spur.configs import cpu, env
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +63,33 @@ encoders, 51 files) but a text workload never runs it; everything it does run (g
 libllama, common, the server) keeps the Release flags."""
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+# ggml's instruction sets for a build at an x86-64 level (SPUR_CPU_TARGET) instead of
+# -march=native: the peer runs the same class of code as spur under that target.
+LEVEL_FLAGS = {
+    "x86-64-v3": ("-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                  "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"),
+    "x86-64-v4": ("-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                  "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=OFF",
+                  "-DGGML_AVX512_BF16=OFF"),
+}  # fmt: skip
+
+
+def cmake_flags(target: str) -> tuple[str, ...]:
+    """CMAKE_FLAGS for a build at `target` (configs/cpu.py): native as they are, else
+    ggml's native detection off and the level's instruction sets named."""
+    if target == "native":
+        return CMAKE_FLAGS
+    flags = tuple(f for f in CMAKE_FLAGS if not f.startswith("-DGGML_NATIVE="))
+    return (*flags, "-DGGML_NATIVE=OFF", *LEVEL_FLAGS[target])
 
 
 def build_dir(version: str = VERSION) -> Path:
     """The cache folder for this sdist version on this CPU class (may not exist yet)."""
+    here = cpu.here()
     key = hashlib.sha256(
-        (version + " ".join(CMAKE_FLAGS) + MTMD_PATCH + _cpu_flags() + platform.machine()).encode()
+        (
+            version + " ".join(cmake_flags(here.target)) + MTMD_PATCH + " ".join(sorted(here.flags))
+        ).encode()
     ).hexdigest()[:12]
     return env.cache_dir() / "llama_cpp" / f"{version}-{key}"
 
@@ -186,7 +199,7 @@ def ensure_built(
             root = _fetch_source(work, log, version, sdist)
             cmd = [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja"]
             cmd += [f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_CXX_COMPILER={cxx}"]
-            _run([*cmd, *CMAKE_FLAGS], log)
+            _run([*cmd, *cmake_flags(cpu.here().target)], log)
         jobs = jobs or os.cpu_count() or 1
         _run([cmake, "--build", str(build), "-j", str(jobs), "--target", *TARGETS], log)
         bin_dir = work / "bin"

@@ -118,6 +118,31 @@ def test_build_dir_is_keyed_and_missing_tools_name_the_fix(
         llama_build.ensure_built()
 
 
+def test_an_x86_level_builds_llama_cpp_for_that_level(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Under SPUR_CPU_TARGET the peer is built for the same level as spur's ops (ggml's
+    native detection off, AVX-512 off for v3), in a folder of its own."""
+    from spur.configs import cpu
+
+    assert "-DGGML_NATIVE=ON" in llama_build.cmake_flags("native")
+    v3 = llama_build.cmake_flags("x86-64-v3")
+    assert "-DGGML_NATIVE=OFF" in v3 and "-DGGML_NATIVE=ON" not in v3
+    assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF"} <= set(v3)
+    assert "-DGGML_AVX512=ON" in llama_build.cmake_flags("x86-64-v4")
+    if "avx2" not in cpu.here().native_flags:
+        return
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    native = llama_build.build_dir()
+    monkeypatch.setenv("SPUR_CPU_TARGET", "x86-64-v3")
+    cpu.here.cache_clear()
+    try:
+        assert llama_build.build_dir() != native
+    finally:
+        monkeypatch.undo()
+        cpu.here.cache_clear()
+
+
 def test_an_interrupted_build_is_found_to_resume(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

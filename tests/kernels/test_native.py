@@ -310,7 +310,9 @@ def test_bf16_silu_rounds_like_torch():
     range: an exp that is not torch's own (Sleef's) moves a float result across a bf16
     rounding boundary now and then, so the two may differ in about 1 value in 1000 and
     then by a rounding step or two; where float's e^-g overflows both give 0. Every
-    gate bf16 can hold from -130 to 130 (2053 values, up 1) gives torch's silu but two."""
+    gate bf16 can hold from -130 to 130 (2053 values, up 1) gives torch's silu but two,
+    besides gates near -88 whose silu is below 1e-30: there the scalar loop of builds
+    without AVX-512 BF16 (libmvec's exp, whose range ends sooner) gives -0."""
     lib = native.ops()
     if lib is None:
         pytest.skip("native ops not built here")
@@ -328,7 +330,11 @@ def test_bf16_silu_rounds_like_torch():
     assert ((g - r).abs()[~tiny] <= r.abs()[~tiny] * 2**-6).all()
     gates = torch.arange(-130, 130, 2**-7).to(torch.bfloat16).unique()
     grid = torch.cat([gates[None], torch.ones_like(gates)[None]], 1)
-    assert (lib.silu_and_mul(grid)[0] != F.silu(gates)).sum().item() <= 2
+    got, ref = lib.silu_and_mul(grid)[0], F.silu(gates)
+    tiny = ref.abs() < 1e-30
+    wrong = got != ref
+    assert wrong[~tiny].sum().item() <= 2
+    assert (got[wrong & tiny].abs() < 1e-35).all()
 
 
 @pytest.mark.parametrize(
