@@ -5,7 +5,7 @@ small kernels (see its header): paged decode attention reading K/V in place thro
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and linears: on weights packed once at load, bf16 on CPUs with
 AVX-512 BF16 and no AMX (`linear_bf16_panels`: pairs for vdpbf16ps) and float32 on
-AVX-512 CPUs other than Intel's (`linear_f32_panels`), at any row count; on [N, K]
+AVX2 or AVX-512 CPUs other than Intel's (`linear_f32_panels`), at any row count; on [N, K]
 weights, a bf16 linear for decode steps of up to 16 rows (`small_linear`: AVX-512
 BF16 dot products, each weight row read once; torch's bf16 matmul reads its weights at
 half the memory's rate at these sizes) and a float32 one for any number of rows on
@@ -376,10 +376,11 @@ LINEAR_F32_UNIT_ROWS = 64
 
 # Panel widths (native.pack_linear_f32) of the builds whose float32 linears are packed
 # at load: 32, AVX-512 builds (1.07-1.65x linear_f32 on [N, K] at 1-64 rows, 2 x 16
-# lanes a panel). AVX2 builds (16 columns a panel, tiles of at most 6 rows) keep the
-# [N, K] weights: there the panels measured 0.73-1.18x at 1-16 rows, 1.3x at 64
-# (BENCHMARKS.md, fifteenth round).
-PACKED_PANEL_WIDTHS = (32,)
+# lanes a panel: BENCHMARKS.md, fifteenth round); 16, AVX2 builds (2 x 8 lanes, tiles
+# of at most 6 rows): 1.06-1.68x at 1-64 rows of SmolLM2's decode step, built as
+# x86-64-v3, znver2 or znver3 (BENCHMARKS.md, twenty-first round; the fifteenth
+# round's 0.73-1.18x at 1-16 rows was an earlier version of the tiles).
+PACKED_PANEL_WIDTHS = (32, 16)
 
 # MKL is Intel's library: on Intel CPUs it takes its tuned kernels (the Xeon rounds
 # measured its float32 linear there), on others generic ones, slow at decode's sizes.

@@ -516,8 +516,8 @@ def test_linear_f32_is_a_float32_linear(rows, out_features, in_features, with_bi
 
 
 def _panels_lib(monkeypatch):
-    """_linear_f32_lib, with this build's panels packed whatever its width: AVX2 builds'
-    16-column panels are tested too, though load does not pack for them."""
+    """_linear_f32_lib, with this build's panels packed whatever PACKED_PANEL_WIDTHS
+    says (32 columns on AVX-512 builds, 16 on AVX2: both packed at load)."""
     lib = _linear_f32_lib(monkeypatch)
     monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
     return lib
@@ -574,7 +574,7 @@ def test_linear_f32_panels_shapes_and_refusals(monkeypatch):
     assert native.pack_linear_f32(w[:, :60].contiguous()) is None  # K not a multiple of 8
     assert native.pack_linear_f32(w.to(torch.bfloat16)) is None  # float32 only
     monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", ())
-    assert native.pack_linear_f32(w) is None  # a build whose panels do not pay (AVX2)
+    assert native.pack_linear_f32(w) is None  # a build whose panels would not pay
     monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
     monkeypatch.setitem(native._state, "linear_f32_here", False)
     assert native.pack_linear_f32(w) is None  # an Intel CPU: MKL keeps the [N, K] weight
