@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -87,6 +88,8 @@ def test_here_follows_the_environment(monkeypatch):
 def test_torch_loaded_before_the_caps_is_an_error(monkeypatch):
     """In this process torch is loaded: a target whose caps are not in the environment
     cannot take effect any more, and says which variables to set."""
+    import torch  # noqa: F401  (loaded, whichever tests ran before)
+
     if "avx2" not in cpu.here().native_flags:
         pytest.skip("x86-64-v3 needs an AVX2 CPU")
     monkeypatch.setenv("SPUR_CPU_TARGET", "x86-64-v3")
@@ -120,7 +123,7 @@ print(native.decode_lanes(lib), lib.linear_f32_panel_width(), bool(lib.small_lin
 print(sorted(f for f in cpu_flags() if f.startswith("avx512")))
 print(pick_compute_dtype("bfloat16", "auto", "cpu", cpu_flags()))
 """
-    env = {**__import__("os").environ, "SPUR_CPU_TARGET": "x86-64-v3"}
+    env = {**os.environ, "SPUR_CPU_TARGET": "x86-64-v3"}
     for var in cpu.torch_isa_env("x86-64-v3"):
         env.pop(var, None)
     done = subprocess.run(
