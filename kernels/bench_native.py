@@ -63,6 +63,7 @@ def main(rounds: int = 15) -> None:
 
         def attend(mode: str, q: torch.Tensor = q, cache: torch.Tensor = cache) -> float:
             os.environ["SPUR_NATIVE_KERNELS"] = "0" if mode == "sdpa" else "1"
+            native.reread_switch()
             torch.set_num_threads(1 if mode == "native-1t" else 2)
             meta.memo.clear()
             if mode.startswith("lanes-"):

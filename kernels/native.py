@@ -149,10 +149,26 @@ def _put_pip_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def enabled() -> bool:
+    """`SPUR_NATIVE_KERNELS` (configs/env.py), read once per process: this is asked
+    before every native op, where reading the environment cost ~1 us each time (about
+    360 times a step of a 30-layer model). `reread_switch()` reads it again."""
+    on = _state.get("enabled")
+    if on is None:
+        on = _state["enabled"] = env.native_kernels_enabled()
+    return on
+
+
+def reread_switch() -> None:
+    """Read `SPUR_NATIVE_KERNELS` again at the next op: for in-process A/Bs of the native
+    and torch paths (kernels/bench_native.py, tests) that change the variable."""
+    _state.pop("enabled", None)
+
+
 def ops() -> Any | None:
     """`torch.ops.spur_cpu`, building it on first call; None where the torch path
-    serves (SPUR_NATIVE_KERNELS=0, or the build failed: logged once)."""
-    if not env.native_kernels_enabled():
+    serves (SPUR_NATIVE_KERNELS=0 at start, or the build failed: logged once)."""
+    if not enabled():
         return None
     lib = _state.get("ops", False)
     if lib is not False:
@@ -170,7 +186,7 @@ def ops() -> Any | None:
 def usable(*tensors: torch.Tensor) -> Any | None:
     """The ops when every tensor is on CPU in float32 / bfloat16, else None."""
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in DTYPES:
+        if not t.is_cpu or t.dtype not in DTYPES:
             return None
     return ops()
 
@@ -494,6 +510,8 @@ def _on_panels(
     -> [..., n]; `F.linear` on the unpacked weight under `torch_linears`."""
     if _state.get("torch_linears"):
         return torch.nn.functional.linear(x, unpack_linear(panels, n), bias)
+    if x.dim() == 2 and x.stride(-1) == 1 and x.numel():  # the layers' case: no reshapes
+        return getattr(ops(), op)(x, panels, bias, n)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0:

@@ -13,6 +13,19 @@ from spur.actors.worker.compute_dtype import cpu_flags
 from spur.kernels import native, paged_attention_ref
 
 
+@pytest.fixture
+def native_switch(monkeypatch):
+    """`set(on)`: SPUR_NATIVE_KERNELS for this test. spur reads it once per process
+    (`native.enabled`), so each change is read again, and so is the restored value."""
+
+    def set_(on: bool) -> None:
+        monkeypatch.setenv("SPUR_NATIVE_KERNELS", "1" if on else "0")
+        native.reread_switch()
+
+    yield set_
+    native.reread_switch()  # monkeypatch restores the variable after this teardown
+
+
 def test_native_kernel_builds_on_this_machine():
     """CI machines have g++ and ninja: a broken build must fail here, not fall back
     silently."""
@@ -40,10 +53,10 @@ def test_the_ops_run_on_torchs_thread_team():
 @pytest.mark.parametrize("sliding_window", [None, 3])
 @pytest.mark.parametrize("path", ["native", "sdpa"])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decodes_match_dense_on_both_paths(reqs, sliding_window, path, dtype, atol, monkeypatch):
+def test_decodes_match_dense_on_both_paths(reqs, sliding_window, path, dtype, atol, native_switch):
     """The cache is NaN everywhere but the requests' contexts: reading one stale cell
     shows up as NaN."""
-    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "1" if path == "native" else "0")
+    native_switch(path == "native")
     case = make_case(reqs, dtype=dtype, cache_dtype=dtype, pad_tokens=2, seed=len(reqs))
     uses_native = native.decode_kernel(case.query, case.kv_cache) is not None
     assert uses_native == (path == "native")
@@ -184,10 +197,21 @@ def test_a_second_build_in_one_process_is_refused_and_the_first_still_serves():
     torch.testing.assert_close(lib.silu_and_mul(x), F.silu(x[:, :4]) * x[:, 4:])
 
 
-def test_switch_off_means_no_ops(monkeypatch):
-    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
+def test_switch_off_means_no_ops(native_switch):
+    native_switch(False)
     assert native.ops() is None
     assert native.usable(torch.zeros(2)) is None
+
+
+def test_the_switch_is_read_once_until_reread(native_switch, monkeypatch):
+    """Every native op asks the switch: it is read from the environment once per
+    process, and again after `reread_switch` (in-process A/Bs)."""
+    native_switch(True)
+    assert native.ops() is not None
+    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "off")
+    assert native.ops() is not None
+    native.reread_switch()
+    assert native.ops() is None
 
 
 def test_out_of_range_block_ids_are_refused_before_the_kernel_reads():
@@ -252,16 +276,16 @@ def _prefill_args(dtype: torch.dtype, head_dim: int) -> tuple:
 TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def _both_paths(monkeypatch, fn):
-    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
+def _both_paths(native_switch, fn):
+    native_switch(False)
     expected = fn()
-    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "1")
+    native_switch(True)
     return fn(), expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
+def test_rms_norm_with_and_without_residual(dtype, rows, native_switch):
     from spur.actors.worker.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(rows)
@@ -270,35 +294,35 @@ def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
     x = (3 * torch.randn(rows, 96, generator=gen)).to(dtype)
     res = torch.randn(rows, 96, generator=gen).to(dtype)
     x0, res0 = x.clone(), res.clone()
-    (got, got_res), (exp, exp_res) = _both_paths(monkeypatch, lambda: norm(x, res))
+    (got, got_res), (exp, exp_res) = _both_paths(native_switch, lambda: norm(x, res))
     assert native.usable(x) is not None
     tol = TOLS[dtype]
     torch.testing.assert_close(got, exp, atol=tol, rtol=tol)
     assert torch.equal(got_res, exp_res), "the residual sum rounds once, as torch's add"
-    got1, exp1 = _both_paths(monkeypatch, lambda: norm(x))
+    got1, exp1 = _both_paths(native_switch, lambda: norm(x))
     torch.testing.assert_close(got1, exp1, atol=tol, rtol=tol)
     assert torch.equal(x, x0) and torch.equal(res, res0), "inputs are not mutated"
 
 
-def test_zero_centered_norm_keeps_its_own_formula(monkeypatch):
+def test_zero_centered_norm_keeps_its_own_formula(native_switch):
     from spur.actors.worker.layers.norm import ZeroCenteredRMSNorm
 
     norm = ZeroCenteredRMSNorm(32, eps=1e-6)
     norm.weight.data = torch.full((32,), 0.5)
     x = torch.randn(4, 32)
-    got, expected = _both_paths(monkeypatch, lambda: norm(x))
+    got, expected = _both_paths(native_switch, lambda: norm(x))
     assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [80, 86])  # 86: bf16's 16-wide steps end in a scalar tail
-def test_silu_and_mul(dtype, width, monkeypatch):
+def test_silu_and_mul(dtype, width, native_switch):
     from spur.actors.worker.layers.activation import GatedActivation
 
     act = GatedActivation("silu")
     x = (4 * torch.randn(37, 2 * width, generator=torch.Generator().manual_seed(1))).to(dtype)
     x[0, :width] = torch.linspace(-120, 120, width)  # exp's clamped range and its overflow
-    got, expected = _both_paths(monkeypatch, lambda: act(x))
+    got, expected = _both_paths(native_switch, lambda: act(x))
     assert got.shape == (37, width)
     tol = TOLS[dtype]
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
@@ -348,7 +372,7 @@ def test_bf16_silu_rounds_like_torch():
     ],
 )
 @pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
-def test_rope_fused_with_the_kv_store(dtype, cache_dtype, rotary_fraction, monkeypatch):
+def test_rope_fused_with_the_kv_store(dtype, cache_dtype, rotary_fraction, native_switch):
     """The attention layer's fused path against RoPE + store_kv in torch: same q,
     same cache bytes written (padding slots -1 write nothing), same output."""
     from spur.actors.worker.layers.attention import CausalSelfAttention
@@ -383,7 +407,7 @@ def test_rope_fused_with_the_kv_store(dtype, cache_dtype, rotary_fraction, monke
         fused = layer._fused_rope_store(layer.qkv_proj(x), positions, cache, meta) is not None
         return layer(positions, x, cache, meta), cache, fused
 
-    (out, cache, fused), (exp_out, exp_cache, ref_fused) = _both_paths(monkeypatch, run)
+    (out, cache, fused), (exp_out, exp_cache, ref_fused) = _both_paths(native_switch, run)
     assert fused and not ref_fused
     tol = TOLS[dtype if cache_dtype == dtype else torch.bfloat16]
     torch.testing.assert_close(cache, exp_cache, atol=tol, rtol=tol)
@@ -464,8 +488,8 @@ def test_bf16_linear_rows_depend_on_amx():
     assert native.bf16_linear_rows() in (4, 16)
 
 
-def test_small_linear_is_off_with_the_native_ops(monkeypatch):
-    monkeypatch.setenv("SPUR_NATIVE_KERNELS", "0")
+def test_small_linear_is_off_with_the_native_ops(native_switch):
+    native_switch(False)
     x, w = torch.randn(1, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
     assert native.small_linear(x, w) is None
 

@@ -186,13 +186,6 @@ class CausalSelfAttention(nn.Module):
         """`hidden_states [n, hidden]` at `positions [n]` -> `[n, hidden]`; writes kv_cache."""
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [n, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [n, Hq, d]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, d]
-        v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, d]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
         lib = self._fused_rope_store(qkv, positions, kv_cache, attn_metadata)
         if lib is not None:
             assert kv_cache is not None and isinstance(attn_metadata, AttentionMetadata)
@@ -209,6 +202,13 @@ class CausalSelfAttention(nn.Module):
             )  # [n, Hq, d], this step's K/V now in kv_cache
             out = self.attn.attend(q, kv_cache, attn_metadata)
         else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, self.num_heads, self.head_dim)  # [n, Hq, d]
+            k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, d]
+            v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, d]
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, kv_cache, attn_metadata)  # [n, Hq, d]
         return self.o_proj(out.reshape(n, self.q_size))  # [n, hidden]
