@@ -71,6 +71,8 @@ class EngineArgs:
     attn_backend: str
     seed: int
     num_threads: int | None
+    stream_interval: int
+    """Tokens per streamed chunk after a request's first (`AsyncEngine.stream_interval`)."""
     test_leak_blocks_per_step: int
     """TESTS ONLY: see `RuntimeConfig.test_leak_blocks_per_step` (0: a correct engine)."""
     # speculative

@@ -314,6 +314,14 @@ class RuntimeConfig(_Section):
     """torch intra-op threads per worker, and the CPUs a TP=1 engine replica reserves
     in Ray (Ray sets OMP_NUM_THREADS to that reservation). Unset: 1 CPU reserved,
     torch's default threads; set it when several engines share a machine."""
+    stream_interval: int = Field(1, ge=1, le=1024)
+    """Tokens per streamed chunk after the first (vLLM's `stream_interval`): each
+    request's first tokens go out at once (time to first token is unchanged), then its
+    tokens go out in groups of at least this many, and whatever is left when it
+    finishes. 1 streams every token. Every token crosses two Ray Serve hops (engine ->
+    ingress -> HTTP proxy), which cost CPU per chunk on the cores the forward runs on:
+    4 cut the ingress's and the proxy's CPU per token by 40% and 47% at 16 streams on 2
+    cores (BENCHMARKS.md); clients then see a chunk every 4 steps."""
     test_leak_blocks_per_step: int = Field(0, ge=0, le=64)
     """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
     request at every step, as a retirement bug would (the leak metrics and alerts are

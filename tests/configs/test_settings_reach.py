@@ -112,6 +112,33 @@ def _sched(b: Any) -> Any:
     return b.replica.built.scheduler
 
 
+def _streamed(b: Any) -> tuple[Any, Any]:
+    """stream_interval 3: the replica's engine has it, and a streamed request's deltas
+    after the first hold 3 tokens or more (but the last)."""
+
+    async def stream() -> tuple[int, list[int]]:
+        payload = {
+            "request_id": "reach-stream-interval",
+            "prompt_token_ids": [5, 6, 7],
+            "sampling_params": {"max_tokens": 10, "ignore_eos": True, "temperature": 0},
+        }
+        sizes = [
+            len(item["token_ids"])
+            async for item in b.replica.generate(payload)
+            if item["type"] == "delta"
+        ]
+        engine = b.replica.engine
+        await engine.shutdown()  # the engine belongs to this event loop: not reused
+        if b.replica._watcher is not None:
+            b.replica._watcher.cancel()
+        b.replica.engine = None
+        return engine.stream_interval, sizes
+
+    interval, sizes = asyncio.run(stream())
+    grouped = sum(sizes) == 10 and all(n >= 3 for n in sizes[1:-1])
+    return (interval, grouped, sizes), (3, True, sizes)
+
+
 ENGINE: dict[str, tuple[Any, Check]] = {
     # model
     "engine.model.path": (
@@ -190,6 +217,7 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     ),
     "engine.runtime.seed": (5, lambda b: (_worker(b).config.seed, 5)),
     "engine.runtime.num_threads": (1, lambda b: (_worker(b).config.num_threads, 1)),
+    "engine.runtime.stream_interval": (3, _streamed),
     # CUDA graphs are captured on CUDA only (a log line on CPU): they reach the worker.
     "engine.runtime.cuda_graphs": (False, lambda b: (_worker(b).config.cuda_graphs, False)),
     "engine.runtime.cuda_graph_batch_sizes": (

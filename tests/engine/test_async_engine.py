@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -128,6 +130,114 @@ def test_a_slow_consumer_gets_coalesced_deltas_and_every_token():
     assert tokens == final.outputs[0].token_ids and len(tokens) == 40
     assert len(deltas) < 40  # several steps' tokens went out together
     assert deltas[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("interval", "max_tokens"), [(3, 10), (4, 4), (5, 1)])
+def test_stream_interval_groups_tokens_after_the_first(interval, max_tokens):
+    """The first tokens go at once, then groups of `stream_interval` or more; the last
+    delta carries the finish reason and every token arrives, in order."""
+
+    async def main():
+        core, sched, fake = make_engine(block_size=4, num_blocks=64, budget=24)
+        engine = AsyncEngine(core, None, eos_token_id=None, stream_interval=interval)
+        _pace(fake, engine)
+        got = await asyncio.gather(
+            *(_deltas(engine, f"r{i}", list(range(5 + i)), max_tokens=max_tokens) for i in range(3))
+        )
+        await engine.shutdown()
+        return got, sched
+
+    got, sched = asyncio.run(main())
+    for deltas, final in got:
+        sizes = [len(d.token_ids) for d in deltas]
+        assert [t for d in deltas for t in d.token_ids] == final.outputs[0].token_ids
+        assert sum(sizes) == max_tokens
+        assert all(n >= interval for n in sizes[1:-1]), sizes
+        assert deltas[-1].finish_reason == "length"
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert len(deltas) == min(max_tokens, 1 + -(-(max_tokens - 1) // interval))
+    sched.check_integrity()
+
+
+def test_stream_interval_sends_the_first_token_at_once():
+    """Time to first token does not wait for the interval: the engine's second step
+    waits until the consumer holds the first delta (a deadline ends the wait)."""
+
+    async def main():
+        core, _, fake = make_engine(block_size=4, num_blocks=64, budget=24)
+        real, steps, first_seen = fake.execute_model, [], threading.Event()
+
+        def gated(out):
+            steps.append(first_seen.wait(timeout=10) if steps else None)
+            return real(out)
+
+        fake.execute_model = gated
+        engine = AsyncEngine(core, None, eos_token_id=None, stream_interval=16)
+        deltas = []
+        async for item in engine.generate(
+            "a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)
+        ):
+            if isinstance(item, Delta):
+                deltas.append(item)
+                first_seen.set()
+        await engine.shutdown()
+        return steps, deltas
+
+    steps, deltas = asyncio.run(main())
+    assert steps[1] is True  # the first delta arrived while the engine waited
+    assert [len(d.token_ids) for d in deltas] == [1, 5]
+
+
+def test_stream_interval_hands_over_held_tokens_before_a_failure():
+    """A request whose engine dies mid-way still streams the tokens generated before
+    (the caller resumes from them elsewhere), then raises."""
+
+    async def main():
+        core, _, fake = make_engine(block_size=4, num_blocks=64, budget=24)
+        engine = AsyncEngine(core, None, eos_token_id=None, stream_interval=8)
+        _pace(fake, engine, fail_at=4)
+        tokens = []
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for item in engine.generate(
+                "a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)
+            ):
+                tokens += item.token_ids
+        await engine.shutdown()
+        return tokens
+
+    assert len(asyncio.run(main())) == 3  # one token per step that ran, none held back
+
+
+def _pace(fake, engine: AsyncEngine, fail_at: int | None = None) -> None:
+    """Each step of the fake executor starts once the consumers took every item
+    delivered so far (so that back-pressure does not merge deltas: what the interval
+    groups is then all there is to see); step `fail_at` (1-based) raises."""
+    real, count = fake.execute_model, [0]
+
+    def paced(out):
+        delivered = threading.Event()  # queued after the last step's deliveries: FIFO
+        engine._loop.call_soon_threadsafe(delivered.set)
+        assert delivered.wait(timeout=10), "the event loop did not run"
+        deadline = time.monotonic() + 10
+        while any(not q.empty() for q in list(engine._streams.values())):
+            assert time.monotonic() < deadline, "the consumer did not take its deltas"
+            time.sleep(0.001)
+        count[0] += 1
+        if count[0] == fail_at:
+            raise RuntimeError("device lost")
+        return real(out)
+
+    fake.execute_model = paced
+
+
+async def _deltas(engine: AsyncEngine, rid: str, tokens: list[int], **params):
+    deltas, final = [], None
+    async for item in engine.generate(rid, tokens, SamplingParams(ignore_eos=True, **params)):
+        if isinstance(item, Delta):
+            deltas.append(item)
+        else:
+            final = item
+    return deltas, final
 
 
 def test_prefix_cache_reset_runs_on_the_engine_thread():

@@ -140,6 +140,7 @@ class EngineReplica:
                 self.tokenizer,
                 eos_token_id=self.built.info.eos_token_id,
                 vocab_size=self.built.info.vocab_size,
+                stream_interval=self.args.stream_interval,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
                 metrics=metrics,
             )

@@ -101,7 +101,8 @@ class AsyncEngine:
     """Thread-owning wrapper of an EngineCore. Create it inside a running event
     loop; `shutdown()` stops the thread (requests in flight are aborted).
     `on_thread_start` runs first on the engine thread (per-thread settings such
-    as the number of OpenMP threads of the forward)."""
+    as the number of OpenMP threads of the forward). `stream_interval`: tokens per
+    streamed delta after a completion's first (RuntimeConfig.stream_interval)."""
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class AsyncEngine:
         eos_token_id: int | None,
         vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
+        stream_interval: int = 1,
         on_thread_start: Callable[[], None] | None = None,
         metrics: EngineMetrics | None = None,
     ) -> None:
@@ -121,6 +123,7 @@ class AsyncEngine:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.idle_wait_s = idle_wait_s
+        self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
         self._loop = asyncio.get_running_loop()
@@ -160,7 +163,9 @@ class AsyncEngine:
     ) -> AsyncIterator[Delta | RequestOutput]:
         """Stream a request's deltas, then its final RequestOutput. Raises
         RequestRejected before anything runs, EngineDeadError if the engine
-        fails mid-way. Closing the generator early aborts the request."""
+        fails mid-way (after the tokens generated until then). Closing the generator
+        early aborts the request. Each completion's first delta goes out at once; later
+        ones hold at least `stream_interval` tokens, but the last (its finish reason)."""
         if self.error is not None:
             raise EngineDeadError(self.dead_message)
         self.validate(prompt_token_ids)
@@ -171,15 +176,19 @@ class AsyncEngine:
         self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt))
         done = False
         pending: Delta | RequestOutput | Exception | None = None
+        held: dict[int, Delta] = {}  # completion index -> tokens not sent yet (interval)
+        sent: set[int] = set()  # completion indexes whose first tokens went out
         try:
             while True:
                 item = pending if pending is not None else await stream.get()
                 pending = None
-                if isinstance(item, Exception):
+                if isinstance(item, Exception | RequestOutput):
+                    for delta in held.values():  # what was generated reaches the caller
+                        yield delta
+                    held.clear()
                     done = True
-                    raise item
-                if isinstance(item, RequestOutput):
-                    done = True
+                    if isinstance(item, Exception):
+                        raise item
                     yield item
                     return
                 # Coalesce under back-pressure: when the consumer fell behind
@@ -192,6 +201,18 @@ class AsyncEngine:
                     else:
                         pending = nxt
                         break
+                if self.stream_interval > 1:
+                    before = held.pop(item.index, None)
+                    first = before is None and item.index not in sent
+                    sent.add(item.index)
+                    if before is not None:
+                        item = _merge(before, item)
+                    # The first tokens go at once (TTFT); then every `stream_interval`
+                    # tokens, and whatever is held when the completion finishes.
+                    short = len(item.token_ids) < self.stream_interval
+                    if short and not first and item.finish_reason is None:
+                        held[item.index] = item
+                        continue
                 yield item
         finally:
             self._streams.pop(request_id, None)
