@@ -413,14 +413,20 @@ def _lost(results: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]
     ]
 
 
-def _busiest(env: Env, candidates: list[str]) -> str | None:
-    """The candidate node whose chat replica reports the most running requests (its
-    heartbeats), or None while none of them runs any."""
+def _busiest(env: Env, candidates: list[str], since: float) -> str | None:
+    """The candidate node whose chat replica reports the most running requests in a
+    heartbeat sent after `since` (time.monotonic(): an older one may describe a moment
+    before the load, and killing a replica that holds no stream tests nothing), or
+    None while none of them does."""
     by_node = {env.nodes[name].node_id: name for name in candidates if name in env.nodes}
+    age = time.monotonic() - since
     running = {
         by_node[r["node"]]: r["running"]
         for r in env.lanes()["chat"]["replicas"]
-        if r["healthy"] and r["node"] in by_node and r["running"] > 0
+        if r["healthy"]
+        and r["node"] in by_node
+        and r["running"] > 0
+        and r["seconds_since_heartbeat"] < age
     }
     return max(running, key=running.__getitem__) if running else None
 
@@ -444,11 +450,11 @@ def _lose_node(env: Env, name: str) -> None:
 
 
 def _run_with_removal(
-    env: Env, candidates: list[str], n: int, after: int
+    env: Env, candidates: list[str], n: int, after: int, max_tokens: int = 16
 ) -> tuple[list[dict[str, Any]], float, str]:
-    """Run `n` requests at concurrency 16; once `after` started, remove whichever of
-    the `candidates` nodes is serving requests (prefix affinity may keep all traffic
-    on one replica: removing an idle one would test nothing).
+    """Run `n` requests of `max_tokens` at concurrency 16; once `after` started, remove
+    whichever of the `candidates` nodes is serving requests (prefix affinity may keep
+    all traffic on one replica: removing an idle one would test nothing).
     The node is killed, not shut down (`_lose_node`): a graceful removal (SIGTERM
     to its raylet) lets the replica finish the streams it holds before it exits,
     and then no request sees the failure this tests.
@@ -460,15 +466,16 @@ def _run_with_removal(
         async def remover() -> None:
             while len(started) < after:
                 await asyncio.sleep(0.02)
-            deadline = time.monotonic() + 60
-            while (node := await asyncio.to_thread(_busiest, env, candidates)) is None:
+            loaded = deadline = time.monotonic()
+            deadline += 60
+            while (node := await asyncio.to_thread(_busiest, env, candidates, loaded)) is None:
                 assert time.monotonic() < deadline, f"no replica on {candidates} ran requests"
                 await asyncio.sleep(0.1)
             removed.append((time.monotonic(), node))
             await asyncio.to_thread(_lose_node, env, node)
 
         task = asyncio.create_task(remover())
-        results = await _load(env.url, n, 16, 16, started)
+        results = await _load(env.url, n, 16, max_tokens, started)
         await task
         return results
 
@@ -477,8 +484,9 @@ def _run_with_removal(
 
 
 def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
-    results, removed_at, _ = _run_with_removal(env, ["a", "b"], n=200, after=60)
-    lost = _lost(results, 16)
+    # 32-token streams: each replica holds streams longer than a heartbeat period.
+    results, removed_at, _ = _run_with_removal(env, ["a", "b"], n=200, after=60, max_tokens=32)
+    lost = _lost(results, 32)
     assert not lost, lost[:5]
     # Failover time: from the node's removal until the index held its replica
     # unhealthy, and the slowest request that was in flight across it.
