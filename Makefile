@@ -20,9 +20,10 @@ serve: $(STAMP)
 	$(BIN)/spur serve configs/local.yaml
 
 # The native ops and the model's token identity again as older x86-64 CPU classes build
-# and run them (SPUR_CPU_TARGET, configs/cpu.py): v3 (AVX2, no AVX-512) and v4 (AVX-512
-# without BF16 or AMX), on any CPU that can run them. This machine's own class runs in
-# the full suite; the other classes' code paths would otherwise run nowhere.
+# and run them (SPUR_CPU_TARGET, configs/cpu.py): each level below this CPU that it can
+# run (`python -m spur.configs.cpu --older-levels`: v3, AVX2 without AVX-512; v4, AVX-512
+# without BF16 or AMX). This machine's own class runs in the full suite; the other
+# classes' code paths would otherwise run nowhere.
 OLDER_CLASS_TESTS := tests/kernels/test_native.py tests/kernels/test_attention_reference.py \
 	tests/worker/test_compute_dtype.py tests/worker/test_linear_packing.py \
 	"tests/worker/test_smollm2.py::test_smollm2_matches_transformers"
@@ -31,14 +32,11 @@ test: $(STAMP) prometheus cxx
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
-	if grep -qw avx2 /proc/cpuinfo; then \
-		SPUR_CPU_TARGET=x86-64-v3 $(BIN)/python -m pytest -q -p no:cacheprovider \
-			--durations=5 $(OLDER_CLASS_TESTS); \
-	fi
-	if grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo; then \
-		SPUR_CPU_TARGET=x86-64-v4 $(BIN)/python -m pytest -q -p no:cacheprovider \
-			--durations=5 $(OLDER_CLASS_TESTS); \
-	fi
+	levels=$$($(BIN)/python -m spur.configs.cpu --older-levels) && for level in $$levels; do \
+		echo "older-class tests as $$level"; \
+		SPUR_CPU_TARGET=$$level $(BIN)/python -m pytest -q -p no:cacheprovider \
+			--durations=5 $(OLDER_CLASS_TESTS) || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -124,6 +124,17 @@ def here() -> Cpu:
     return narrow(cpu, env.cpu_target())
 
 
+def older_levels(cpu: Cpu) -> list[str]:
+    """The levels below `cpu` it can run as (`narrow` accepts them and leaves fewer
+    flags): the older CPU classes whose code paths `make test` tests on this machine."""
+    out = []
+    for target in TARGETS[1:]:
+        with contextlib.suppress(ValueError):
+            if narrow(cpu, target).flags != cpu.native_flags:
+                out.append(target)
+    return out
+
+
 def march_flags(target: str) -> list[str]:
     """The compiler's -march for code built for `target` on this machine (tuned for it)."""
     if target == "native":
@@ -156,3 +167,12 @@ def export_torch_isa() -> dict[str, str]:
 def describe(cpu: Cpu) -> str:
     """One line for logs and bench records: the model, and the level it runs as."""
     return cpu.model if cpu.target == "native" else f"{cpu.model} (as {cpu.target})"
+
+
+if __name__ == "__main__":  # `make test`: the levels to rerun the older-class tests as
+    if sys.argv[1:] != ["--older-levels"]:
+        sys.exit("usage: python -m spur.configs.cpu --older-levels")
+    text = ""
+    with contextlib.suppress(OSError):
+        text = Path("/proc/cpuinfo").read_text()
+    print(" ".join(older_levels(parse(text))))

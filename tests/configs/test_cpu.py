@@ -48,6 +48,37 @@ def test_v4_keeps_avx512_core_only():
     assert "amx_tile" not in got.flags
 
 
+SKYLAKE_SP = (
+    "vendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Gold 6148\n"
+    "flags\t\t: avx avx2 fma f16c bmi1 bmi2 movbe avx512f avx512dq avx512cd avx512bw avx512vl\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "levels"),
+    [
+        (ZEN5, ["x86-64-v3", "x86-64-v4"]),
+        (SKYLAKE_SP, ["x86-64-v3"]),  # as v4 it is itself
+        (EPYC_AVX2, []),
+        (GRAVITON, []),
+    ],
+)
+def test_older_levels_are_those_below_the_cpu(text, levels):
+    assert cpu.older_levels(cpu.parse(text)) == levels
+
+
+def test_older_levels_on_the_command_line():
+    """What `make test` loops over: this machine's older levels, one line."""
+    out = subprocess.run(
+        [sys.executable, "-m", "spur.configs.cpu", "--older-levels"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    with open("/proc/cpuinfo") as f:
+        assert out == cpu.older_levels(cpu.parse(f.read()))
+
+
 def test_native_is_the_cpu_itself():
     zen5 = cpu.parse(ZEN5)
     assert cpu.narrow(zen5, "native") is zen5
