@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b.add_argument("--threads", type=_positive, default=2, help="--peer: CPU threads each")
     serve_b.add_argument("--max-tokens", type=_positive, default=128, help="--peer: per request")
     serve_b.add_argument("--config", default="local", help="--peer: spur's config (one lane)")
+    serve_b.add_argument(
+        "--stream-interval",
+        type=_positive,
+        default=None,
+        help="--peer: spur's engine.runtime.stream_interval (default: the config's)",
+    )
     serve_b.add_argument("--llama-sdist", default=None, help="--peer: llama-cpp-python sdist")
     serve_b.add_argument("--plot", default=None, metavar="PATH.png", help="draw the result")
     serve_b.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -658,6 +664,7 @@ def _bench_peer(args: argparse.Namespace) -> Any:
             seed=args.seed,
             threads=args.threads,
             config=args.config,
+            stream_interval=args.stream_interval,
             sdist=Path(args.llama_sdist) if args.llama_sdist else None,
             progress=not args.no_progress,
         )

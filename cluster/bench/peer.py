@@ -135,8 +135,11 @@ def llama_server_cmd(
     ]  # fmt: skip
 
 
-def spur_config(dtype: str, port: int, threads: int, base: str = "local") -> dict[str, Any]:
-    """`configs/<base>.yaml` (one lane) with model.dtype, threads and port set."""
+def spur_config(
+    dtype: str, port: int, threads: int, base: str = "local", stream_interval: int | None = None
+) -> dict[str, Any]:
+    """`configs/<base>.yaml` (one lane) with model.dtype, threads and port set, and
+    engine.runtime.stream_interval when given (else the base's)."""
     import yaml
 
     from spur.configs.loader import resolve_path
@@ -145,6 +148,8 @@ def spur_config(dtype: str, port: int, threads: int, base: str = "local") -> dic
     lane = data["lanes"][0]
     lane["engine"].setdefault("model", {})["dtype"] = dtype
     lane["engine"].setdefault("runtime", {})["num_threads"] = threads
+    if stream_interval is not None:
+        lane["engine"]["runtime"]["stream_interval"] = stream_interval
     lane["replicas"] = 1
     data["lanes"] = [lane]
     data.setdefault("server", {}).update(host="127.0.0.1", port=port)
@@ -214,13 +219,16 @@ def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int)
 
 
 @contextlib.contextmanager
-def spur_server(dtype: str, threads: int, work: Path, base: str = "local") -> Iterator[Server]:
+def spur_server(
+    dtype: str, threads: int, work: Path, base: str = "local", stream_interval: int | None = None
+) -> Iterator[Server]:
     """`spur serve` in a subprocess with its own embedded Ray (own RAY_TMPDIR)."""
     import yaml
 
     port = free_port()
     config = work / f"spur-{dtype}.yaml"
-    config.write_text(yaml.safe_dump(spur_config(dtype, port, threads, base), sort_keys=False))
+    data = spur_config(dtype, port, threads, base, stream_interval)
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
     ray_tmp = Path(tempfile.mkdtemp(prefix="spur-peer-", dir="/tmp"))  # short socket paths
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(
@@ -393,6 +401,7 @@ def run(
     threads: int = 2,
     parallel: int = 16,
     config: str = "local",
+    stream_interval: int | None = None,
     sdist: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -424,6 +433,9 @@ def run(
         "max_tokens": max_tokens,
         "rounds": rounds,
         "seed": seed,
+        "spur_config": config,
+        # Tokens per streamed chunk after the first: llama-server streams every token.
+        "spur_stream_interval": _stream_interval(config, stream_interval),
         "pairings": [],
     }
     total = len(dtypes) * len(concurrencies) * rounds * 2
@@ -435,7 +447,7 @@ def run(
                 work = Path(tmp)
                 bar.status(f"{dtype}: starting spur serve and llama-server")
                 with (
-                    spur_server(dtype, threads, work, config) as spur,
+                    spur_server(dtype, threads, work, config, stream_interval) as spur,
                     llama_server(bin_dir / "llama-server", gguf, threads, parallel, work) as peer,
                 ):
                     urls = {"spur": spur.url, "llama_cpp": peer.url}
@@ -461,6 +473,16 @@ def run(
             )
     result["goals"] = goals(result)
     return result
+
+
+def _stream_interval(config: str, override: int | None) -> int:
+    """The stream interval spur serves with: `override`, else the config's (validated)."""
+    from spur.configs.loader import parse_config
+
+    if override is not None:
+        return override
+    (lane,) = parse_config(spur_config("float32", 8000, 1, config)).lanes
+    return lane.engine.runtime.stream_interval
 
 
 def goals(result: dict[str, Any]) -> dict[str, Any]:

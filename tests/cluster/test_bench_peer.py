@@ -104,6 +104,11 @@ def test_spur_config_sets_dtype_threads_and_port() -> None:
     assert lane.engine.model.dtype == "bfloat16"
     assert lane.engine.runtime.num_threads == 2
     assert cfg.server.port == 8123
+    assert lane.engine.runtime.stream_interval == 1  # the base's (local.yaml: the default)
+    chunked = parse_config(peer.spur_config("float32", 8123, 2, stream_interval=4))
+    assert chunked.lanes[0].engine.runtime.stream_interval == 4
+    assert peer._stream_interval("local", None) == 1
+    assert peer._stream_interval("local", 4) == 4
 
 
 def test_build_dir_is_keyed_and_missing_tools_name_the_fix(
