@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from spur.cluster.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class FakeCluster:
         import ray
 
         ip = ray._private.services.get_node_ip_address()
-        port = _free_port()
+        port = free_port("")
         self.address = f"{ip}:{port}"
         # Short: Ray's socket paths under it must stay below 108 characters.
         self.tmpdir = Path(tempfile.mkdtemp(prefix="spur-fc-", dir="/tmp"))
@@ -244,12 +245,6 @@ def session_processes(sid: int) -> dict[int, str]:
         except (OSError, ValueError, IndexError):
             continue
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def alive_nodes(address: str) -> list[dict[str, Any]]:

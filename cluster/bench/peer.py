@@ -40,7 +40,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from typing import Any
 from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
+from spur.cluster.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +82,6 @@ def chat_workload(n: int, seed: int) -> list[list[dict[str, str]]]:
         text = f"Here are some notes: {context}. Now write a long story about {topic}."
         out.append([{"role": "user", "content": text}])
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def demo_gguf() -> Path:

@@ -39,6 +39,7 @@ from spur.cluster.bench.workload import (
     build_workload,
     describe,
 )
+from spur.cluster.ports import free_port
 
 ARMS = ("round_robin", "power_of_two", "prefix")
 LANE = "bench"
@@ -110,14 +111,6 @@ def local_cluster(
         for name, res in nodes.items()
     }
     return cluster, added
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> Any:
@@ -289,7 +282,7 @@ def run(
         os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="spur-bench-", dir="/tmp"))
         cluster, _ = local_cluster({f"n{i}": {"bench-lane": 1} for i in range(replicas)})
         address = cluster.address
-    port = _free_port()
+    port = free_port()
     ray.init(address=address, log_to_driver=False)
     out_arms = []
     try:

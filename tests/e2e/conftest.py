@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import pytest
 import yaml
 
 from spur.cluster.fake_cluster import ray_test_env, session_processes, stop_session
+from spur.cluster.ports import free_port
 
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
@@ -113,12 +113,6 @@ def wait_for(
             log = f"\n{srv.log_tail()}" if srv is not None else ""
             pytest.fail(f"no {what} within {timeout_s:.0f} s{log}")
         time.sleep(0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tiny_engine(model_dir: Path, tp: int = 1) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from spur.cluster.bench.autoscale import (
     routing_events,
     worker_node_type,
 )
-from spur.cluster.fake_cluster import FakeCluster, _free_port
+from spur.cluster.fake_cluster import FakeCluster
+from spur.cluster.ports import free_port
 
 from .conftest import _tiny_engine
 
@@ -90,7 +91,7 @@ def test_lane_scales_out_and_back_on_new_nodes(tiny_model_dir: Path, tmp_path: P
         engine = _tiny_engine(tiny_model_dir)
         engine["scheduler"]["max_num_seqs"] = 4  # a small batch: 12 streams queue
         config = autoscale_config(
-            str(tiny_model_dir), address=address, port=_free_port(), engine=engine
+            str(tiny_model_dir), address=address, port=free_port(), engine=engine
         )
         env = cluster.process_env()
         env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
