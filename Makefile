@@ -22,7 +22,7 @@ serve: $(STAMP)
 # The native ops and the model's token identity again as older x86-64 CPU classes build
 # and run them (SPUR_CPU_TARGET, configs/cpu.py): each level below this CPU that it can
 # run (`python -m spur.configs.cpu --older-levels`: v3, AVX2 without AVX-512; v4, AVX-512
-# without BF16 or AMX). This machine's own class runs in the full suite; the other
+# without BF16, VNNI or AMX). This machine's own class runs in the full suite; the other
 # classes' code paths would otherwise run nowhere.
 OLDER_CLASS_TESTS := tests/kernels/test_native.py tests/kernels/test_attention_reference.py \
 	tests/worker/test_compute_dtype.py tests/worker/test_linear_packing.py \

@@ -320,8 +320,8 @@ class RuntimeConfig(_Section):
     tokens go out in groups of at least this many, and whatever is left when it
     finishes. 1 streams every token. Every token crosses two Ray Serve hops (engine ->
     ingress -> HTTP proxy), which cost CPU per chunk on the cores the forward runs on:
-    4 cut the ingress's and the proxy's CPU per token by 40% and 47% at 16 streams on 2
-    cores (BENCHMARKS.md); clients then see a chunk every 4 steps."""
+    4 cut the ingress's and the proxy's CPU per token by 40-50% at 16 streams on 2 cores
+    (BENCHMARKS.md); clients then see a chunk of 4 tokens or more every few steps."""
     test_leak_blocks_per_step: int = Field(0, ge=0, le=64)
     """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
     request at every step, as a retirement bug would (the leak metrics and alerts are

@@ -24,7 +24,8 @@ under spur's cache directory (`configs/env.py`), keyed by the source, the flags,
 compiler, the torch version and the CPU's feature flags (the build uses -march=native, or
 the x86-64 level SPUR_CPU_TARGET names: configs/cpu.py); a cached
 build loads in well under a second, a fresh one takes 20 to 60 s. Without a compiler
-or ninja, or with SPUR_NATIVE_KERNELS=0, `ops()` returns None and every caller takes
+or ninja, or with SPUR_NATIVE_KERNELS=0 (read once per process: `enabled`), `ops()`
+returns None and every caller takes
 its pure-torch path (SDPA for attention); a failed build is logged once, with the
 compiler's message.
 
@@ -167,7 +168,8 @@ def reread_switch() -> None:
 
 def ops() -> Any | None:
     """`torch.ops.spur_cpu`, building it on first call; None where the torch path
-    serves (SPUR_NATIVE_KERNELS=0 at start, or the build failed: logged once)."""
+    serves (SPUR_NATIVE_KERNELS=0 as `enabled` read it, or the build failed: logged
+    once)."""
     if not enabled():
         return None
     lib = _state.get("ops", False)

@@ -122,17 +122,19 @@ def _streamed(b: Any) -> tuple[Any, Any]:
             "prompt_token_ids": [5, 6, 7],
             "sampling_params": {"max_tokens": 10, "ignore_eos": True, "temperature": 0},
         }
-        sizes = [
-            len(item["token_ids"])
-            async for item in b.replica.generate(payload)
-            if item["type"] == "delta"
-        ]
-        engine = b.replica.engine
-        await engine.shutdown()  # the engine belongs to this event loop: not reused
-        if b.replica._watcher is not None:
-            b.replica._watcher.cancel()
-        b.replica.engine = None
-        return engine.stream_interval, sizes
+        try:
+            sizes = [
+                len(item["token_ids"])
+                async for item in b.replica.generate(payload)
+                if item["type"] == "delta"
+            ]
+            return b.replica.engine.stream_interval, sizes
+        finally:  # the engine belongs to this event loop: the next test starts its own
+            if b.replica.engine is not None:
+                await b.replica.engine.shutdown()
+                b.replica.engine = None
+            if b.replica._watcher is not None:
+                b.replica._watcher.cancel()
 
     interval, sizes = asyncio.run(stream())
     grouped = sum(sizes) == 10 and all(n >= 3 for n in sizes[1:-1])
@@ -386,6 +388,7 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     async def ingress_lane() -> Any:
         stats = await built.replica.stats()
         await built.replica.engine.shutdown()
+        built.replica.engine = None  # it belonged to this event loop
         if built.replica._watcher is not None:
             built.replica._watcher.cancel()
 
