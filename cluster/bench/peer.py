@@ -470,12 +470,10 @@ def run(
 
 
 def _stream_interval(config: str, override: int | None) -> int:
-    """The stream interval spur serves with: `override`, else the config's (validated)."""
+    """The stream interval spur serves with: the config `spur_server` writes, validated."""
     from spur.configs.loader import parse_config
 
-    if override is not None:
-        return override
-    (lane,) = parse_config(spur_config("float32", 8000, 1, config)).lanes
+    (lane,) = parse_config(spur_config("float32", 8000, 1, config, override)).lanes
     return lane.engine.runtime.stream_interval
 
 

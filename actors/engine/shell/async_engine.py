@@ -202,8 +202,8 @@ class AsyncEngine:
                         pending = nxt
                         break
                 if self.stream_interval > 1:
-                    before = held.pop(item.index, None)
-                    first = before is None and item.index not in sent
+                    before = held.pop(item.index, None)  # only ever after a first
+                    first = item.index not in sent
                     sent.add(item.index)
                     if before is not None:
                         item = _merge(before, item)
