@@ -35,10 +35,13 @@ def start(cfg: SpurConfig) -> str:
     server = cfg.server
     if not ray.is_initialized():
         if server.embedded_ray:
+            # Ray's processes inherit this process's environment as it is when
+            # `ray.init` starts the raylet (not later): set before it. An explicit value
+            # set by the user wins.
             if server.data_plane == "grpc":
-                # Read by Serve's HTTP proxy when it starts; Ray's processes inherit
-                # this process's environment. An explicit value set by the user wins.
-                os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
+                os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")  # the HTTP proxy's hop
+            # Replicas push autoscaling stats to Serve's controller every second (default 10 s).
+            os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
             ray.init(
                 namespace=server.namespace,
                 num_cpus=server.num_cpus,
@@ -47,9 +50,6 @@ def start(cfg: SpurConfig) -> str:
             )
         else:
             ray.init(address=server.ray_address, namespace=server.namespace)
-    if server.embedded_ray:
-        # Autoscaling stats reach Serve's controller every second (default 10 s).
-        os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     # Proxies on the head only: the URL announced is the head's, and a proxy on an
     # engine node would go (cutting its connections) when the autoscaler removes the node.
     serve.start(http_options={"host": server.host, "port": server.port}, proxy_location="HeadOnly")

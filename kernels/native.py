@@ -515,9 +515,10 @@ def _on_panels(
     if x.dim() == 2 and x.stride(-1) == 1 and x.numel():  # the layers' case: no reshapes
         return getattr(ops(), op)(x, panels, bias, n)
     k = x.shape[-1]
-    rows = x.numel() // k if k else 0
+    rows = math.prod(x.shape[:-1])
     if rows == 0:
         return x.new_empty(*x.shape[:-1], n)
+    # K = 0 goes on to the op, which names the mismatch: no packed weight has K = 0
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -586,6 +586,8 @@ def test_linear_f32_panels_shapes_and_refusals(monkeypatch):
     got = native.linear_f32_panels(x, panels, None, 40)  # leading dims kept
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
     assert native.linear_f32_panels(torch.randn(0, 64), panels, None, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError):  # rows of K = 0 against K = 64: an error, not garbage
+        native.linear_f32_panels(torch.randn(3, 0), panels, None, 40)
     strided = torch.randn(64, 5).T  # x with a non-unit inner stride: copied first
     torch.testing.assert_close(
         native.linear_f32_panels(strided, panels, None, 40),

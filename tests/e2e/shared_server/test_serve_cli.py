@@ -3,6 +3,7 @@ codes. Only the diff test needs the running server (the session's)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -86,6 +87,26 @@ def test_serve_printed_the_effective_config_and_the_endpoint(spur_server: Any) -
     assert f"spur is serving at {spur_server.base_url}\n" in log
     # the printed YAML has the defaults filled in (e.g. the router, absent from the file)
     assert "router:" in log and "policy: prefix" in log
+
+
+def test_the_embedded_rays_processes_inherit_what_spur_serve_sets(spur_server: Any) -> None:
+    """The variables `spur serve` sets for an embedded Ray reach the processes that read
+    them (they inherit the environment as it is when `ray.init` starts the raylet):
+    replicas push autoscaling stats every second, the HTTP proxy uses gRPC."""
+    import psutil
+
+    push = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+    wanted = {
+        "ServeReplica:spur:engine-tiny": (push, "1"),
+        "ProxyActor": ("RAY_SERVE_PROXY_USE_GRPC", "1"),
+    }
+    seen = {}
+    for pid, cmdline in spur_server.processes().items():
+        for name, (var, _) in wanted.items():
+            if f"ray::{name}" in cmdline:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    seen[name] = psutil.Process(pid).environ().get(var)
+    assert seen == {name: value for name, (_, value) in wanted.items()}, seen
 
 
 def test_bench_serve_pairs_both_arms_in_alternating_rounds(
