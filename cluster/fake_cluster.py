@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spur.cluster.ports import free_port
+from spur.actors.ports import free_port
 
 logger = logging.getLogger(__name__)
 

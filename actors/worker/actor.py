@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from spur.actors.ports import free_port
 from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.worker import Worker, WorkerConfig
 
@@ -46,9 +46,8 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        """A port free on every interface of this node (rank 0's rendezvous)."""
+        return free_port("")
 
     def start(self, dist_init_method: str) -> None:
         self.worker = Worker(self.config, rank=self.rank, dist_init_method=dist_init_method)

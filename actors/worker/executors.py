@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from spur.actors.ports import free_port
 from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.worker import Worker, WorkerConfig
 
@@ -48,12 +48,6 @@ class UniProcExecutor(Executor):
         self.worker.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker_main(conn: Any, config: WorkerConfig, rank: int, init_method: str) -> None:
     worker = Worker(config, rank=rank, dist_init_method=init_method)
     while True:
@@ -76,7 +70,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: WorkerConfig) -> None:
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.conns = []
         self.procs = []
         for rank in range(config.tensor_parallel_size):

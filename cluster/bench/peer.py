@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spur.actors.ports import free_port
 from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
-from spur.cluster.ports import free_port
 
 logger = logging.getLogger(__name__)
 

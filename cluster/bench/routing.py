@@ -32,6 +32,7 @@ import warnings
 from dataclasses import asdict, replace
 from typing import Any
 
+from spur.actors.ports import free_port
 from spur.cluster.bench.serve import percentile_ms
 from spur.cluster.bench.workload import (
     UserScript,
@@ -39,7 +40,6 @@ from spur.cluster.bench.workload import (
     build_workload,
     describe,
 )
-from spur.cluster.ports import free_port
 
 ARMS = ("round_robin", "power_of_two", "prefix")
 LANE = "bench"

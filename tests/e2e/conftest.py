@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 import yaml
 
+from spur.actors.ports import free_port
 from spur.cluster.fake_cluster import ray_test_env, session_processes, stop_session
-from spur.cluster.ports import free_port
 
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from spur.actors.ports import free_port
 from spur.cluster.bench.autoscale import (
     LaneWatcher,
     ServeProcess,
@@ -25,7 +26,6 @@ from spur.cluster.bench.autoscale import (
     worker_node_type,
 )
 from spur.cluster.fake_cluster import FakeCluster
-from spur.cluster.ports import free_port
 
 from .conftest import _tiny_engine
 

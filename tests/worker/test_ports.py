@@ -1,10 +1,10 @@
-"""cluster/ports.py: ports for servers, outside the ranges other processes take from."""
+"""actors/ports.py: ports for servers, outside the ranges other processes take from."""
 
 from __future__ import annotations
 
 import socket
 
-from spur.cluster import ports
+from spur.actors import ports
 
 
 def test_a_free_port_lies_below_the_ephemeral_range_and_binds():

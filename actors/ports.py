@@ -1,5 +1,7 @@
-"""A free TCP port for a server this process is about to start (the benches' servers,
-the test suite's, the fake cluster's head).
+"""A free TCP port for a server this process is about to start: the tensor-parallel
+workers' rendezvous (torch.distributed's TCP store), the benches' servers, the test
+suite's, the fake cluster's head. Here, under actors/, so that the workers (which import
+nothing of cluster/) and cluster/ share one.
 
 A port from `bind(port 0)` comes from the kernel's ephemeral range, which the kernel
 hands out again to the next `bind(0)`: Ray starts a dozen listeners that way (raylet,
