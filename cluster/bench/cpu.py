@@ -27,3 +27,47 @@ def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
         **{f: f in here.flags for f in FLAGS},
         "native_flags": [f for f in FLAGS if f in here.native_flags],
     }
+
+
+# The aggregate `cpu` line of /proc/stat, in this order (proc(5)); later fields (guest
+# time) are already counted in user and nice.
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+STEAL_WARN_PCT = 2.0
+
+
+def cpu_times(stat: str | None = None) -> dict[str, int] | None:
+    """The machine's CPU time so far, in clock ticks by STAT_FIELDS, from the given
+    /proc/stat text, else this machine's; None where it is unreadable (not Linux)."""
+    if stat is None:
+        try:
+            with open("/proc/stat") as f:
+                stat = f.readline()
+        except OSError:
+            return None
+    for line in stat.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "cpu":
+            values = [int(v) for v in parts[1 : 1 + len(STAT_FIELDS)]]
+            values += [0] * (len(STAT_FIELDS) - len(values))  # old kernels: no steal
+            return dict(zip(STAT_FIELDS, values, strict=True))
+    return None
+
+
+def host_share(
+    before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, float] | None:
+    """What the whole machine did between two `cpu_times` readings, in % of all its
+    CPUs' time: `busy_pct` (every process, not only the bench's: neither idle nor
+    waiting on I/O) and `steal_pct` (time the hypervisor gave to other guests, which a
+    run on a shared host loses). None when a reading is missing or no tick passed."""
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in STAT_FIELDS}
+    total = sum(delta.values())
+    if total <= 0:
+        return None
+    busy = total - delta["idle"] - delta["iowait"]
+    return {
+        "busy_pct": round(100 * busy / total, 1),
+        "steal_pct": round(100 * delta["steal"] / total, 2),
+    }

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from spur.actors.ports import free_port
-from spur.cluster.bench.cpu import cpu_info
+from spur.cluster.bench.cpu import STEAL_WARN_PCT, cpu_info, cpu_times, host_share
 from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
 
@@ -313,7 +313,8 @@ async def _arm(
     advance: Callable[[], None] = lambda: None,
     model: str = MODEL,
 ) -> dict[str, Any]:
-    """Send `work` with at most `concurrency` streams in flight; the arm's summary."""
+    """Send `work` with at most `concurrency` streams in flight; the arm's summary,
+    with `host_cpu`: what the whole machine did meanwhile (`cpu.host_share`)."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -326,10 +327,12 @@ async def _arm(
             advance()
             return result
 
+        ticks = cpu_times()
         start = time.perf_counter()
         results = await asyncio.gather(*(run(m) for m in work))
         elapsed = time.perf_counter() - start
-    return summarize(results, elapsed, concurrency)
+        host = host_share(ticks, cpu_times())
+    return summarize(results, elapsed, concurrency) | {"host_cpu": host}
 
 
 def summarize(results: list[dict[str, Any]], elapsed: float, concurrency: int) -> dict[str, Any]:
@@ -358,12 +361,17 @@ METRICS = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p
 
 def combine(concurrency: int, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """A level from its rounds ({"spur": arm, "llama_cpp": arm} each): each arm's
-    median per metric over rounds, and per metric the median of the per-round
-    ratios spur / llama.cpp (None where a round lacks the figure)."""
+    median per metric over rounds, its errors, the most CPU time the hypervisor took
+    in any of its rounds (`steal_pct_max`, None where unread), and per metric the
+    median of the per-round ratios spur / llama.cpp (None where a round lacks the
+    figure)."""
     level: dict[str, Any] = {"concurrency": concurrency}
     for arm in ("spur", "llama_cpp"):
+        steal = [(r[arm].get("host_cpu") or {}).get("steal_pct") for r in rounds]
+        known = [v for v in steal if v is not None]
         level[arm] = {m: _median([r[arm][m] for r in rounds]) for m in METRICS} | {
-            "errors": sum(r[arm]["errors"] for r in rounds)
+            "errors": sum(r[arm]["errors"] for r in rounds),
+            "steal_pct_max": max(known) if known else None,
         }
     ratios = {}
     for m in METRICS:
@@ -460,6 +468,7 @@ def run(
                                 arms[arm] = asyncio.run(
                                     _arm(urls[arm], work_r, max_tokens, c, advance)
                                 )
+                                _warn_steal(arms[arm], f"{dtype} c={c} round {r + 1} {arm}")
                             per_round.append(arms)
                         levels.append(combine(c, per_round))
             result["pairings"].append(
@@ -467,6 +476,17 @@ def run(
             )
     result["goals"] = goals(result)
     return result
+
+
+def _warn_steal(arm: dict[str, Any], name: str) -> None:
+    host = arm.get("host_cpu") or {}
+    if host.get("steal_pct", 0.0) > STEAL_WARN_PCT:
+        logger.warning(
+            "the hypervisor took %.1f%% of the CPUs during the %s arm: its figures are "
+            "low by about as much or more; rerun on a quieter host to compare",
+            host["steal_pct"],
+            name,
+        )
 
 
 def _stream_interval(config: str, override: int | None) -> int:

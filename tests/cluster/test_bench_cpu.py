@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from spur.cluster.bench.cpu import FLAGS, cpu_info
+import os
+
+from spur.cluster.bench.cpu import FLAGS, STAT_FIELDS, cpu_info, cpu_times, host_share
 
 SAMPLE = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -40,3 +42,32 @@ def test_cpu_info_records_an_emulated_level():
     assert cpu.describe(as_v3) == "AMD EPYC 9B45 (as x86-64-v3)"
     assert not as_v3.flags & {"avx512f", "avx512_bf16"}
     assert {"avx512f", "avx512_bf16"} <= as_v3.native_flags
+
+
+def test_host_share_is_busy_and_stolen_time_of_all_cpus():
+    before = cpu_times("cpu  100 50 20 800 10 0 5 15 0 0\ncpu0 50 25 10 400 5 0 2 8 0 0\n")
+    after = cpu_times("cpu  160 90 40 860 20 0 5 25 7 0\n")
+    assert before == dict(zip(STAT_FIELDS, (100, 50, 20, 800, 10, 0, 5, 15), strict=True))
+    # 200 ticks passed: 60 + 40 + 20 + 10 (steal) busy, 60 idle, 10 waiting on I/O.
+    assert host_share(before, after) == {"busy_pct": 65.0, "steal_pct": 5.0}
+    assert host_share(before, before) is None  # no tick passed
+    assert host_share(None, after) is None and cpu_times("intr 1 2\n") is None
+    old_kernel = cpu_times("cpu  1 2 3 4\n")  # no iowait, irq, softirq or steal fields
+    assert old_kernel is not None and old_kernel["steal"] == 0
+
+
+def test_host_share_of_this_machine_while_it_works():
+    import time
+
+    before = cpu_times()
+    if before is None:
+        import pytest
+
+        pytest.skip("no /proc/stat here")
+    deadline = time.perf_counter() + 0.3
+    while time.perf_counter() < deadline:  # busy: this thread holds a CPU
+        pass
+    share = host_share(before, cpu_times())
+    assert share is not None
+    assert 0.0 <= share["steal_pct"] <= share["busy_pct"] <= 100.0
+    assert share["busy_pct"] >= 100.0 / (os.cpu_count() or 1) / 2  # at least half a CPU

@@ -52,6 +52,10 @@ def test_combine_takes_medians_and_per_round_ratios() -> None:
     assert ratios["tokens_per_s"]["rounds"] == [0.8, 0.9, 1.2]
     assert ratios["tokens_per_s"]["median"] == 0.9  # of the rounds, not of the medians
     assert ratios["ttft_ms_p99"]["rounds"] == [2.0, 2.0, 2.0]
+    assert level["spur"]["steal_pct_max"] is None  # these arms read no host CPU
+    rounds[1]["spur"]["host_cpu"] = {"busy_pct": 99.0, "steal_pct": 4.5}
+    rounds[2]["spur"]["host_cpu"] = {"busy_pct": 98.0, "steal_pct": 0.5}
+    assert peer.combine(16, rounds)["spur"]["steal_pct_max"] == 4.5
     # A round that lacks a figure gives no ratio and is left out of the median.
     rounds[0]["spur"]["itl_ms_p50"] = None
     assert peer.combine(16, rounds)["spur_over_llama_cpp"]["itl_ms_p50"]["rounds"][0] is None
@@ -73,6 +77,17 @@ def test_goals_at_the_highest_concurrency() -> None:
         "met": True,
     }
     assert goals["bfloat16"]["met"] is False  # TTFT p99 worse than llama.cpp's
+
+
+def test_an_arm_the_hypervisor_took_cpu_from_is_named_on_stderr(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger=peer.__name__):
+        peer._warn_steal(_arm(100, 10, 1) | {"host_cpu": {"steal_pct": 1.0}}, "quiet")
+        peer._warn_steal(_arm(100, 10, 1) | {"host_cpu": None}, "unread")
+        peer._warn_steal(_arm(100, 10, 1) | {"host_cpu": {"steal_pct": 7.5}}, "fp32 c=16 spur")
+    assert len(caplog.records) == 1
+    assert "7.5% of the CPUs during the fp32 c=16 spur arm" in caplog.records[0].getMessage()
 
 
 def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:

@@ -1,7 +1,8 @@
 """The peer bench's HTTP client (`bench serve --peer llama-cpp`) against a real
 `spur serve`: streamed chat completions counted from the usage chunk, TTFT and ITL
-measured, the workload sent at the asked concurrency. The llama.cpp side of the
-same client runs in tests/cluster/test_bench_peer.py (opt-in: it builds llama.cpp)."""
+measured, the workload sent at the asked concurrency, the host's CPU read around it.
+The llama.cpp side of the same client runs in tests/cluster/test_bench_peer.py
+(opt-in: it builds llama.cpp)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,6 @@ def test_peer_arm_against_spur_serve(spur_server: Any) -> None:
     assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"]
     assert 0 < summary["itl_ms_p50"] <= summary["itl_ms_p99"]
     assert summary["tokens_per_s"] > 0
+    # The machine worked while the server generated (the server, this client).
+    host = summary["host_cpu"]
+    assert 0 < host["busy_pct"] <= 100 and 0 <= host["steal_pct"] <= host["busy_pct"]
