@@ -6,10 +6,13 @@ SPUR_CPU_TARGET the flags are those of the level the run emulated, and `target` 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from spur.configs import cpu
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
@@ -71,3 +74,15 @@ def host_share(
         "busy_pct": round(100 * busy / total, 1),
         "steal_pct": round(100 * delta["steal"] / total, 2),
     }
+
+
+def warn_steal(host: dict[str, float] | None, arm: str) -> None:
+    """Warn (stderr, through logging) when the hypervisor took more than
+    STEAL_WARN_PCT of the CPUs during the named arm (`host`: its `host_share`)."""
+    if host and host.get("steal_pct", 0.0) > STEAL_WARN_PCT:
+        logger.warning(
+            "the hypervisor took %.1f%% of the CPUs during the %s arm: its figures are "
+            "low by about as much or more; rerun on a quieter host to compare",
+            host["steal_pct"],
+            arm,
+        )

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from spur.actors.ports import free_port
-from spur.cluster.bench.cpu import STEAL_WARN_PCT, cpu_info, cpu_times, host_share
+from spur.cluster.bench.cpu import cpu_info, cpu_times, host_share, warn_steal
 from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
 
@@ -468,7 +468,8 @@ def run(
                                 arms[arm] = asyncio.run(
                                     _arm(urls[arm], work_r, max_tokens, c, advance)
                                 )
-                                _warn_steal(arms[arm], f"{dtype} c={c} round {r + 1} {arm}")
+                                name = f"{dtype} c={c} round {r + 1} {arm}"
+                                warn_steal(arms[arm]["host_cpu"], name)
                             per_round.append(arms)
                         levels.append(combine(c, per_round))
             result["pairings"].append(
@@ -476,17 +477,6 @@ def run(
             )
     result["goals"] = goals(result)
     return result
-
-
-def _warn_steal(arm: dict[str, Any], name: str) -> None:
-    host = arm.get("host_cpu") or {}
-    if host.get("steal_pct", 0.0) > STEAL_WARN_PCT:
-        logger.warning(
-            "the hypervisor took %.1f%% of the CPUs during the %s arm: its figures are "
-            "low by about as much or more; rerun on a quieter host to compare",
-            host["steal_pct"],
-            name,
-        )
 
 
 def _stream_interval(config: str, override: int | None) -> int:

@@ -31,6 +31,8 @@ import time
 import urllib.request
 from typing import Any
 
+from spur.cluster.bench.cpu import cpu_times, host_share, warn_steal
+
 TEXT = (
     "the river starts high in the mountains where snow melts each spring and runs down "
     "through pine forests into a narrow valley farmers built small stone channels to "
@@ -129,9 +131,11 @@ async def _http_level(
                 advance()  # one request done: the progress bar (stderr)
             return result
 
+        ticks = cpu_times()
         start = time.perf_counter()
         results = await asyncio.gather(*(run(p, m) for p, m in work))
         elapsed = time.perf_counter() - start
+        host = host_share(ticks, cpu_times())
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok)
     itl = [x for r in ok for x in r["itl"]]
@@ -147,6 +151,7 @@ async def _http_level(
         "ttft_ms_p99": percentile_ms([r["ttft"] for r in ok], 99),
         "itl_ms_p50": percentile_ms(itl, 50),
         "itl_ms_p99": percentile_ms(itl, 99),
+        "host_cpu": host,
     }
 
 
@@ -163,9 +168,11 @@ def _offline_level(
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in work]
         # Warm-up, not timed, on a prompt of its own (no prefix hit for the run).
         llm.generate("warm up the engine", SamplingParams(max_tokens=4, temperature=0))
+        ticks = cpu_times()
         start = time.perf_counter()
         outs = llm.generate([p for p, _ in work], params)
         elapsed = time.perf_counter() - start
+        host = host_share(ticks, cpu_times())
     finally:
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -174,6 +181,7 @@ def _offline_level(
         "generated_tokens": tokens,
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(tokens / elapsed, 2),
+        "host_cpu": host,
     }
 
 
@@ -242,6 +250,7 @@ def _level(
                 arms[arm] = _offline_level(args, work, concurrency)
                 for _ in work if advance else ():
                     advance()  # the offline engine reports at the end of its batch
+            warn_steal(arms[arm]["host_cpu"], f"c={concurrency} round {r + 1} {label}")
         pairs.append({**arms, "serve_over_offline": _ratio(arms["serve"], arms["offline"])})
     ratios = [p["serve_over_offline"] for p in pairs]
     known = [x for x in ratios if x is not None]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from spur.cluster.bench import cpu as bench_cpu
 from spur.cluster.bench.cpu import FLAGS, STAT_FIELDS, cpu_info, cpu_times, host_share
 
 SAMPLE = """processor\t: 0
@@ -61,8 +64,6 @@ def test_host_share_of_this_machine_while_it_works():
 
     before = cpu_times()
     if before is None:
-        import pytest
-
         pytest.skip("no /proc/stat here")
     deadline = time.perf_counter() + 0.3
     while time.perf_counter() < deadline:  # busy: this thread holds a CPU
@@ -71,3 +72,14 @@ def test_host_share_of_this_machine_while_it_works():
     assert share is not None
     assert 0.0 <= share["steal_pct"] <= share["busy_pct"] <= 100.0
     assert share["busy_pct"] >= 100.0 / (os.cpu_count() or 1) / 2  # at least half a CPU
+
+
+def test_an_arm_the_hypervisor_took_cpu_from_is_named_on_stderr(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger=bench_cpu.__name__):
+        bench_cpu.warn_steal({"busy_pct": 99.0, "steal_pct": 1.0}, "quiet")
+        bench_cpu.warn_steal(None, "unread")
+        bench_cpu.warn_steal({"busy_pct": 99.0, "steal_pct": 7.5}, "fp32 c=16 round 2 spur")
+    assert len(caplog.records) == 1
+    assert "7.5% of the CPUs during the fp32 c=16 round 2 spur arm" in caplog.messages[0]

@@ -79,17 +79,6 @@ def test_goals_at_the_highest_concurrency() -> None:
     assert goals["bfloat16"]["met"] is False  # TTFT p99 worse than llama.cpp's
 
 
-def test_an_arm_the_hypervisor_took_cpu_from_is_named_on_stderr(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with caplog.at_level("WARNING", logger=peer.__name__):
-        peer._warn_steal(_arm(100, 10, 1) | {"host_cpu": {"steal_pct": 1.0}}, "quiet")
-        peer._warn_steal(_arm(100, 10, 1) | {"host_cpu": None}, "unread")
-        peer._warn_steal(_arm(100, 10, 1) | {"host_cpu": {"steal_pct": 7.5}}, "fp32 c=16 spur")
-    assert len(caplog.records) == 1
-    assert "7.5% of the CPUs during the fp32 c=16 spur arm" in caplog.records[0].getMessage()
-
-
 def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
     results = [
         {"ttft": 0.1, "itl": [0.01, 0.03], "tokens": 3, "usage": True},

@@ -133,6 +133,8 @@ def test_bench_serve_pairs_both_arms_in_alternating_rounds(
         assert r["serve"]["errors"] == 0, r["serve"]["error_samples"]
         # ignore_eos: both arms generate exactly the requested tokens.
         assert r["serve"]["generated_tokens"] == r["offline"]["generated_tokens"] > 0
+        for arm in ("serve", "offline"):  # the machine worked during each arm
+            assert 0 < r[arm]["host_cpu"]["busy_pct"] <= 100, r[arm]["host_cpu"]
         expected = round(r["serve"]["tokens_per_s"] / r["offline"]["tokens_per_s"], 3)
         assert r["serve_over_offline"] == expected
     assert level["round_ratios"] == [r["serve_over_offline"] for r in level["rounds"]]
