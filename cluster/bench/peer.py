@@ -22,7 +22,9 @@ each round sends fresh prompts (its own seed) to both servers, so no round hits 
 prefix cached by an earlier one. A level reports each arm's median over rounds
 and the median of the per-round ratios spur / llama.cpp (tokens/s: higher is
 better for spur above 1; TTFT and ITL: spur's time over llama.cpp's, lower is
-better for spur below 1). Both servers get an untimed warm-up first.
+better for spur below 1). Both servers get an untimed warm-up first. Each arm
+records the host's busy and stolen CPU share (`host_cpu`), each level each arm's
+worst steal (`steal_pct_max`): a contended host lowers both servers' figures.
 
 Progress goes to stderr (a rich progress bar per arm and level); the result is
 one JSON document (the CLI keeps stdout for it). `plot(result, path)` draws

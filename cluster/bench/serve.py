@@ -16,7 +16,9 @@ A shared machine's speed drifts by more than the Serve path costs (the offline
 arm alone moved between 72 and 96 tokens/s over a day here), so with `rounds`
 > 1 (default 3) each level runs the arms in alternating order (serve, offline, offline,
 serve, ...): each round's ratio compares two arms that ran back to back, and the
-level reports the median round. With `progress`, a bar per arm and level goes to
+level reports the median round. Each arm records what the whole host did meanwhile
+(`host_cpu`: busy and stolen CPU share, bench/cpu.py), and one the hypervisor took
+CPU from is named on stderr. With `progress`, a bar per arm and level goes to
 stderr; `plot` (cluster/bench/plot.py) draws the result.
 """
 
