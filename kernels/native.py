@@ -611,6 +611,12 @@ def torch_linears() -> Iterator[None]:
         _state["torch_linears"] = before
 
 
+def linears_unpacked() -> bool:
+    """Whether this process is within `torch_linears`: packed weights are unpacked for
+    `F.linear` at every call (`linear_panels`), not read from their panels."""
+    return bool(_state.get("torch_linears"))
+
+
 def bf16_linear_rows(flags: Iterable[str] | None = None) -> int:
     """Rows of x up to which `small_linear` sends bf16 linears to the native op on a CPU
     with these flags (default: this machine's, read once): SMALL_LINEAR_AMX_ROWS where

@@ -22,6 +22,7 @@ reject the same inputs with the same messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -253,22 +254,9 @@ def paged_attention_ref(
     dtypes = _compute_dtypes(query, kv_cache)
     ctx = _Context(k_cache, v_cache, metadata.block_tables, k_scale, v_scale, is_fp8, dtypes)
 
-    kernel = native.decode_kernel(query, kv_cache)
-    tiles = native.prefill_tiles(kernel, query, kv_cache)
-    num_blocks = k_cache.shape[0]
-    key = ("torch-reference", ctx.block_size, num_blocks, sliding_window, str(query.device))
-    key += (kernel is None, tiles)
-    layout = metadata.memo.get(key)
-    if layout is None:  # first layer of the step: every later layer reuses it
-        layout = metadata.memo[key] = _layout(
-            metadata,
-            ctx.block_size,
-            sliding_window,
-            native_decodes=kernel is not None,
-            prefill_tiles=tiles,
-            num_blocks=num_blocks,
-        )
-    prefills, groups, plan, tile_plan = layout
+    kernel, (prefills, groups, plan, tile_plan) = step_layout(
+        query, kv_cache, metadata, sliding_window
+    )
     for r, start, q_len, seq_len in prefills:
         _prefill(query, out, ctx, r, start, q_len, seq_len, scale, sliding_window)
     if tile_plan is not None:
@@ -278,6 +266,46 @@ def paged_attention_ref(
     for group in groups:
         _decode_group(query, out, ctx, group, scale)
     return out
+
+
+Layout = tuple[
+    list[tuple[int, int, int, int]],
+    list["_DecodeGroup"],
+    native.DecodePlan | None,
+    native.PrefillPlan | None,
+]
+
+
+def step_layout(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    sliding_window: int | None,
+) -> tuple[Any, Layout]:
+    """The native ops serving decodes of `query` over `kv_cache` (None: SDPA) and the
+    step's layout: (prefill chunks left to SDPA as (request, first row, query length,
+    seq_len), SDPA decode groups, the native decode plan, the native prefill plan).
+
+    Only `query`'s dtype, heads and head_dim are read, so a stand-in of no rows serves.
+    The first layer of a step derives the layout and memoises it on `metadata`; every
+    later layer (and the Llama decoder stack, models/llama_stack.py) reuses it.
+    """
+    kernel = native.decode_kernel(query, kv_cache)
+    tiles = native.prefill_tiles(kernel, query, kv_cache)
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    key = ("torch-reference", block_size, num_blocks, sliding_window, str(query.device))
+    key += (kernel is None, tiles)
+    layout = metadata.memo.get(key)
+    if layout is None:
+        layout = metadata.memo[key] = _layout(
+            metadata,
+            block_size,
+            sliding_window,
+            native_decodes=kernel is not None,
+            prefill_tiles=tiles,
+            num_blocks=num_blocks,
+        )
+    return kernel, layout
 
 
 @dataclass(frozen=True)
@@ -297,12 +325,7 @@ def _layout(
     native_decodes: bool,
     prefill_tiles: bool,
     num_blocks: int,
-) -> tuple[
-    list[tuple[int, int, int, int]],
-    list[_DecodeGroup],
-    native.DecodePlan | None,
-    native.PrefillPlan | None,
-]:
+) -> Layout:
     """Prefill chunks for SDPA (request, first row, query length, seq_len), the decodes'
     length groups for SDPA, the native decode plan, and the native prefill plan."""
     starts = metadata.query_start_loc_cpu.tolist()

@@ -126,6 +126,31 @@ def hf_logits(tiny_model_dir: Callable[[str], Path]) -> Callable[[str, list[int]
     return run
 
 
+@pytest.fixture
+def panels_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_linear_f32 serving on this machine whatever its vendor and panel width (the
+    rules: tests/kernels/test_native.py)."""
+    from spur.kernels import native
+
+    lib = native.build()
+    if not lib.linear_f32_supported():
+        pytest.skip("linear_f32 needs AVX2 + FMA or AVX-512; this CPU has neither")
+    monkeypatch.setitem(native._state, "linear_f32_here", True)
+    monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
+
+
+@pytest.fixture
+def bf16_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_linear_bf16 serving on this machine whatever its AMX (the rule:
+    tests/kernels/test_native.py)."""
+    from spur.kernels import native
+
+    lib = native.build()
+    if not lib.small_linear_supported():
+        pytest.skip("bf16 panels need AVX-512 BF16; this CPU has none")
+    monkeypatch.setitem(native._state, "bf16_panels_here", True)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)

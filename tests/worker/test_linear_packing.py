@@ -20,17 +20,6 @@ from spur.actors.worker.layers.linear import (
 from spur.kernels import native
 
 
-@pytest.fixture
-def panels_here(monkeypatch):
-    """pack_linear_f32 serving on this machine whatever its vendor and panel width (the
-    rules: tests/kernels/test_native.py)."""
-    lib = native.build()
-    if not lib.linear_f32_supported():
-        pytest.skip("linear_f32 needs AVX2 + FMA or AVX-512; this CPU has neither")
-    monkeypatch.setitem(native._state, "linear_f32_here", True)
-    monkeypatch.setattr(native, "PACKED_PANEL_WIDTHS", (lib.linear_f32_panel_width(),))
-
-
 def _layers(dtype: torch.dtype = torch.float32) -> nn.ModuleDict:
     gen = torch.Generator().manual_seed(3)
     layers = nn.ModuleDict(
@@ -96,16 +85,6 @@ def test_other_dtypes_and_cpus_keep_their_weights(panels_here, monkeypatch):
     assert pack_linears(_layers(torch.float16)) == (0, 0)
     monkeypatch.setitem(native._state, "linear_f32_here", False)  # MKL serves float32
     assert pack_linears(_layers()) == (0, 0)
-
-
-@pytest.fixture
-def bf16_panels(monkeypatch):
-    """pack_linear_bf16 serving on this machine whatever its AMX (the rule:
-    tests/kernels/test_native.py)."""
-    lib = native.build()
-    if not lib.small_linear_supported():
-        pytest.skip("bf16 panels need AVX-512 BF16; this CPU has none")
-    monkeypatch.setitem(native._state, "bf16_panels_here", True)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 70])

@@ -31,6 +31,7 @@ from spur.actors.worker.layers.linear import MergedColumnParallelLinear, RowPara
 from spur.actors.worker.layers.norm import RMSNorm
 from spur.actors.worker.layers.parallel_state import SINGLE, TPGroup
 from spur.actors.worker.layers.rotary import RotaryEmbedding, rope_parameters
+from spur.actors.worker.models import llama_stack
 from spur.kernels import AttentionMetadata
 
 
@@ -136,7 +137,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (`model.*` in checkpoints)."""
+    """Embedding, decoder layers and final norm (`model.*` in checkpoints).
+
+    On CPU, a step whose every layer would run on the native ops runs the layers as one
+    loop decided once (`llama_stack.forward`: the same ops, the same results); any
+    other step runs them one by one.
+    """
 
     def __init__(
         self, config: Any, options: DecoderOptions, tp: TPGroup, backend: str | None
@@ -162,12 +168,16 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [n, hidden]
-        residual = None
-        for i, layer in enumerate(self.layers):
-            kv_cache = kv_caches[i] if kv_caches else None
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
+        stack = llama_stack.forward(self, hidden_states, positions, kv_caches, attn_metadata)
+        if stack is not None:  # every layer on the native CPU ops, decided once
+            hidden_states, residual = stack
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                kv_cache = kv_caches[i] if kv_caches else None
+                hidden_states, residual = layer(
+                    positions, hidden_states, residual, kv_cache, attn_metadata
+                )
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
