@@ -90,10 +90,13 @@ def _same_as_layer_by_layer(model, dtype, cache_dtype, served):
 @pytest.mark.parametrize("packed", [False, True])
 def test_float32_steps_match_layer_by_layer(name, packed, tiny_model_dir, served, request):
     """Untied / tied heads, biases everywhere (llama_tied) or on qkv only (qwen2); the
-    linears on [N, K] weights or on their packed panels."""
+    linears on [N, K] weights or on their packed panels. Packed, without biases after
+    o_proj / down_proj, the whole stack is one native call (`decoder_stack`)."""
     if packed:
         request.getfixturevalue("panels_here")
     model = _model(tiny_model_dir, name, torch.float32, packed)
+    in_one_call = llama_stack._stack_weights(model.model.layers) is not None
+    assert in_one_call == (packed and name != "llama_tied")
     _same_as_layer_by_layer(model, torch.float32, torch.float32, served)
 
 
@@ -104,11 +107,14 @@ def test_float32_compute_over_a_bf16_cache(tiny_model_dir, served):
     _same_as_layer_by_layer(model, torch.float32, torch.bfloat16, served)
 
 
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_bfloat16_steps_match_layer_by_layer(packed, tiny_model_dir, served, request):
+def test_bfloat16_steps_match_layer_by_layer(name, packed, tiny_model_dir, served, request):
     if packed:
         request.getfixturevalue("bf16_panels")
-    model = _model(tiny_model_dir, "llama_tied", torch.bfloat16, packed)
+    model = _model(tiny_model_dir, name, torch.bfloat16, packed)
+    in_one_call = llama_stack._stack_weights(model.model.layers) is not None
+    assert in_one_call == (packed and name == "llama")
     _same_as_layer_by_layer(model, torch.bfloat16, torch.bfloat16, served)
 
 

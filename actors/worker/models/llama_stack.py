@@ -136,13 +136,34 @@ def _run(
     plan: native.DecodePlan | None,
     tiles: native.PrefillPlan | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layers' ops, in the order `LlamaDecoderLayer.forward` calls them."""
+    """The layers' ops, in the order `LlamaDecoderLayer.forward` calls them: in one
+    native call (`decoder_stack`) when every linear reads packed panels of one kind and
+    o_proj / down_proj have no bias, else from Python, op by op."""
     n = hidden.shape[0]
     pad = metadata.num_actual_tokens  # rows from here on are padding: attention zeroes them
     rotary = model.rotary
     cos_sin = rotary.cos_sin_cache(hidden.device)
     slots = metadata.slot_mapping
     panels = not native.linears_unpacked()
+    weights = _stack_weights(model.layers) if panels else None
+    if weights is not None:
+        attn = model.layers[0].self_attn
+        return lib.decoder_stack(
+            hidden,
+            positions,
+            cos_sin,
+            kv_caches,
+            slots,
+            *weights,
+            *((plan.tables, plan.rows, plan.firsts, plan.lens) if plan else (None,) * 4),
+            *((tiles.tables, tiles.chunks) if tiles else (None, None)),
+            pad,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            rotary.rotary_dim,
+            attn.attn.scale,
+        )
     residual = None
     for layer, kv in zip(model.layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
@@ -180,6 +201,30 @@ def _run(
         hidden = _row(lib, mlp.down_proj, lib.silu_and_mul(gate_up), panels)
     assert residual is not None
     return hidden, residual
+
+
+def _stack_weights(layers: Any) -> tuple[list, list, list[int], list, list[float]] | None:
+    """`decoder_stack`'s per-layer weights (norms, panels, out_features, biases, eps),
+    or None where a linear is not packed, the panels are of two kinds, or o_proj /
+    down_proj has a bias (added after the op, as `_row` does)."""
+    norms, panels, outs, biases, eps = [], [], [], [], []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for m in linears:
+            if m.weight_panels is None:
+                return None
+            panels.append(m.weight_panels)
+            outs.append(m.packed_out_features)
+        if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+            return None
+        biases += [attn.qkv_proj.bias, None, mlp.gate_up_proj.bias, None]
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norms.append(norm.weight)
+            eps.append(norm.eps)
+    if len({p.dim() for p in panels}) != 1:
+        return None
+    return norms, panels, outs, biases, eps
 
 
 def _project(lib: Any, m: PackedWeight, x: torch.Tensor, bias: Any, panels: bool) -> torch.Tensor:
