@@ -9,7 +9,7 @@ non-zero) so that a wrongly loaded tensor changes the logits visibly.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,7 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def run_steps(
+def paged_steps(
     model: torch.nn.Module,
     seqs: list[list[int]],
     steps: list[list[tuple[int, int]]],
@@ -166,15 +166,17 @@ def run_steps(
     pad: int = 0,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> list[torch.Tensor]:
+) -> Iterator[tuple[list[tuple[int, int]], torch.Tensor, int, list[torch.Tensor]]]:
     """Run token sequences through the paged KV path in flattened mixed steps.
 
     `steps[s]` lists `(request, num_tokens)`: that request's next tokens go in
     step s (all requests in one flattened batch, in the listed order). Each
     request gets blocks in a shuffled order, so block tables are non-trivial;
-    `pad` extra padding rows (slot -1) are appended to every step.
+    `pad` extra padding rows (slot -1) are appended to every step. The KV caches
+    are `dtype`, one per layer.
 
-    Returns per request its logits `[num_computed, vocab]` (rows in position order).
+    Yields per step `(step, hidden [n + pad, hidden], n, kv_caches)`: the model's
+    output, its `n` real rows first, and the caches as that step left them.
     """
     from spur.kernels import build_attention_metadata
 
@@ -187,7 +189,6 @@ def run_steps(
         tables.append(free[:n])
         free = free[n:]
     computed = [0] * len(seqs)
-    out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in steps:
         reqs = [r for r, _ in step]
         nums = [n for _, n in step]
@@ -204,11 +205,29 @@ def run_steps(
         positions = torch.tensor(pos + [0] * pad)  # [n + pad]
         with torch.inference_mode():
             hidden = model(input_ids, positions, kv_caches, md)  # [n + pad, hidden]
-            logits = model.compute_logits(hidden[: len(ids)])  # [n, vocab]
-        for (r, n), chunk in zip(step, logits.split(nums), strict=True):
-            out[r].append(chunk)
+        for r, n in step:
             computed[r] += n
+        yield step, hidden, len(ids), kv_caches
+
+
+def run_steps(
+    model: torch.nn.Module, seqs: list[list[int]], steps: list[list[tuple[int, int]]], **kw: Any
+) -> list[torch.Tensor]:
+    """`paged_steps` (same arguments), returning per request its logits
+    `[num_computed, vocab]` (rows in position order)."""
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step, hidden, n, _ in paged_steps(model, seqs, steps, **kw):
+        with torch.inference_mode():
+            logits = model.compute_logits(hidden[:n])  # [n, vocab]
+        for (r, _), chunk in zip(step, logits.split([k for _, k in step]), strict=True):
+            out[r].append(chunk)
     return [torch.cat(o) for o in out]
+
+
+@pytest.fixture(scope="session")
+def paged_stepper() -> Callable[..., Iterator[Any]]:
+    """`paged_steps` (see its docstring) as a fixture, for test modules."""
+    return paged_steps
 
 
 @pytest.fixture(scope="session")

@@ -45,50 +45,37 @@ def _model(tiny_model_dir, name: str, dtype: torch.dtype, packed: bool):
     return model
 
 
-def _steps(model, dtype: torch.dtype, cache_dtype: torch.dtype, pad: int = 2):
+def _steps(paged_steps, model, cache_dtype: torch.dtype):
     """Every step's final hidden states (padding rows included) and the KV caches after."""
-    shape = model.kv_cache_shape(64, BLOCK)
-    kv_caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(model.num_attention_layers)]
-    free = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
-    tables = [free[:5], free[5:7], free[7:12]]
-    computed, hiddens = [0, 0, 0], []
-    for step in STEPS:
-        reqs = [r for r, _ in step]
-        nums = [n for _, n in step]
-        ids = [t for r, n in step for t in SEQS[r][computed[r] : computed[r] + n]]
-        pos = [p for r, n in step for p in range(computed[r], computed[r] + n)]
-        md = build_attention_metadata(
-            [computed[r] for r in reqs],
-            nums,
-            [tables[r] for r in reqs],
-            BLOCK,
-            num_padded_tokens=len(ids) + pad,
-        )
-        with torch.inference_mode():
-            hiddens.append(
-                model(torch.tensor(ids + [0] * pad), torch.tensor(pos + [0] * pad), kv_caches, md)
-            )
-        for r, n in step:
-            computed[r] += n
-    return hiddens, kv_caches
+    steps = list(paged_steps(model, SEQS, STEPS, pad=2, dtype=cache_dtype))
+    return [hidden for _, hidden, _, _ in steps], steps[-1][3]
 
 
-def _same_as_layer_by_layer(model, dtype, cache_dtype, served):
-    stacked, stacked_kv = _steps(model, dtype, cache_dtype)
-    assert len(served) == len(STEPS)  # the stack ran every step
-    with llama_stack.layer_by_layer():
-        layered, layered_kv = _steps(model, dtype, cache_dtype)
-    assert len(served) == len(STEPS)  # and none of these
-    for s, (a, b) in enumerate(zip(stacked, layered, strict=True)):
-        assert a.dtype == dtype and torch.equal(a, b), f"step {s}"
-    for i, (a, b) in enumerate(zip(stacked_kv, layered_kv, strict=True)):
-        assert torch.equal(a, b), f"layer {i}'s KV cache"
-    assert any(kv.abs().sum() > 0 for kv in stacked_kv)
+@pytest.fixture
+def same_as_layer_by_layer(paged_stepper, served):
+    """`check(model, dtype, cache_dtype)`: the steps through the stack (which must serve
+    each of them) give the hidden states and KV caches of the layers one by one."""
+
+    def check(model, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+        stacked, stacked_kv = _steps(paged_stepper, model, cache_dtype)
+        assert len(served) == len(STEPS)  # the stack ran every step
+        with llama_stack.layer_by_layer():
+            layered, layered_kv = _steps(paged_stepper, model, cache_dtype)
+        assert len(served) == len(STEPS)  # and none of these
+        for s, (a, b) in enumerate(zip(stacked, layered, strict=True)):
+            assert a.dtype == dtype and torch.equal(a, b), f"step {s}"
+        for i, (a, b) in enumerate(zip(stacked_kv, layered_kv, strict=True)):
+            assert torch.equal(a, b), f"layer {i}'s KV cache"
+        assert any(kv.abs().sum() > 0 for kv in stacked_kv)
+
+    return check
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_float32_steps_match_layer_by_layer(name, packed, tiny_model_dir, served, request):
+def test_float32_steps_match_layer_by_layer(
+    name, packed, tiny_model_dir, same_as_layer_by_layer, request
+):
     """Untied / tied heads, biases everywhere (llama_tied) or on qkv only (qwen2); the
     linears on [N, K] weights or on their packed panels. Packed, without biases after
     o_proj / down_proj, the whole stack is one native call (`decoder_stack`)."""
@@ -97,33 +84,35 @@ def test_float32_steps_match_layer_by_layer(name, packed, tiny_model_dir, served
     model = _model(tiny_model_dir, name, torch.float32, packed)
     in_one_call = llama_stack._stack_weights(model.model.layers) is not None
     assert in_one_call == (packed and name != "llama_tied")
-    _same_as_layer_by_layer(model, torch.float32, torch.float32, served)
+    same_as_layer_by_layer(model, torch.float32, torch.float32)
 
 
-def test_float32_compute_over_a_bf16_cache(tiny_model_dir, served):
+def test_float32_compute_over_a_bf16_cache(tiny_model_dir, same_as_layer_by_layer):
     """The compute dtype float32 over a bfloat16 cache (`model.compute_dtype` on CPUs
     without bf16 units): RoPE rounds K/V into the cache, attention widens them back."""
     model = _model(tiny_model_dir, "llama", torch.float32, False)
-    _same_as_layer_by_layer(model, torch.float32, torch.bfloat16, served)
+    same_as_layer_by_layer(model, torch.float32, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_bfloat16_steps_match_layer_by_layer(name, packed, tiny_model_dir, served, request):
+def test_bfloat16_steps_match_layer_by_layer(
+    name, packed, tiny_model_dir, same_as_layer_by_layer, request
+):
     if packed:
         request.getfixturevalue("bf16_panels")
     model = _model(tiny_model_dir, name, torch.bfloat16, packed)
     in_one_call = llama_stack._stack_weights(model.model.layers) is not None
     assert in_one_call == (packed and name == "llama")
-    _same_as_layer_by_layer(model, torch.bfloat16, torch.bfloat16, served)
+    same_as_layer_by_layer(model, torch.bfloat16, torch.bfloat16)
 
 
-def test_torch_linears_unpack_for_every_call(tiny_model_dir, served, panels_here):
+def test_torch_linears_unpack_for_every_call(tiny_model_dir, same_as_layer_by_layer, panels_here):
     """Under `native.torch_linears` (the engine bench's ceiling) packed layers compute
     with `F.linear` on their unpacked weights, in the stack as layer by layer."""
     model = _model(tiny_model_dir, "llama", torch.float32, True)
     with native.torch_linears():
-        _same_as_layer_by_layer(model, torch.float32, torch.float32, served)
+        same_as_layer_by_layer(model, torch.float32, torch.float32)
 
 
 def _one_step(model, computed: list[int], nums: list[int], cache_dtype=torch.float32):

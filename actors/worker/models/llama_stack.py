@@ -14,8 +14,11 @@ It serves a step when every layer would run natively: activations and KV cache o
 in float32 / bfloat16, the torch attention backend, no q/k norm (Qwen3), no sliding
 window, SiLU gating, no tensor parallelism, and an attention layout with no SDPA part
 (prefill chunks of contexts up to `reference.NATIVE_PREFILL_MAX_CONTEXT` are in the
-native plan). Otherwise it returns None and the model runs layer by layer. Linears run
-on their packed panels (`PackedWeight`) directly; unpacked weights, or the benches'
+native plan). Otherwise it returns None and the model runs layer by layer. Where every
+linear reads packed panels (`PackedWeight`) of one kind and o_proj / down_proj have no
+bias, the whole loop is one native call (`decoder_stack`, kernels/cpu_ops.cpp): no
+Python between the ops, and the GIL released once a step instead of at every op.
+Otherwise the loop runs here, op by op; unpacked weights, or the benches'
 `native.torch_linears`, go through the layer's own `_linear` as before.
 """
 
