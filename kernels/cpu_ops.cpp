@@ -450,11 +450,16 @@ inline __m512 exp16(__m512 x) {
 // to float first and reloads it per query head). A run of up to 16 rows' 16 lane
 // vectors become their scores with one Vec512::sums. V: each row is widened in
 // registers and added into the float32 sums of the query heads of its KV head (up to
-// 16 vectors, loaded and stored once a run). One pass over the window for K and one for
-// V, each reading every KV head of a row. Same math as `attend` (float32 softmax and
-// sums), up to the order of the additions. 1.7x attend_simd with the cache in L3, 1.1-1.2x
-// from memory (BENCHMARKS.md, sixteenth round); with the K pass feeding its prefetches
-// (LineFeed) 1.3x more from memory (0.65 vs 0.85 ms a layer at 61 decodes, seventeenth).
+// 16 vectors, loaded and stored once a run). One pass over the window: each run's K rows,
+// then its V rows while they are in L1, with an online softmax (the sums kept relative
+// to the largest score so far, rescaled when a run brings a larger one). Same math as
+// `attend` (float32 softmax and sums), up to the order of the additions and e^x within 2
+// ulp (exp16). 1.7x attend_simd with the cache in L3, 1.1-1.2x from memory
+// (BENCHMARKS.md, sixteenth round); with the K pass feeding its prefetches (LineFeed)
+// 1.3x more from memory (0.65 vs 0.85 ms a layer at 61 decodes, seventeenth); in one
+// pass 1.15x more (0.66 vs 0.77 ms, twenty-sixth round): the two-pass kernel's V pass
+// waited on rows it found in L2. With the cache in L2 / L3 the one pass is 0.9x the two
+// (0.37 vs 0.33 ms): its softmax updates a run cost more than one softmax loop.
 // The cache lines of one context's blocks, K rows then V rows block by block, issued
 // as prefetches a few at a time by feed(n) between the computation. A block's ~200
 // lines prefetched at once (prefetch_rows) stall the core: each waits for a free miss
@@ -515,22 +520,32 @@ template <int D>
 void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __restrict k,
                  const bf16* __restrict v, int64_t s_blk, int64_t s_off, int64_t s_head,
                  const int32_t* table, int32_t first, int32_t width, int32_t bs, int32_t H,
-                 int32_t G, float scale, float* __restrict scores, float* __restrict acc) {
+                 int32_t G, float scale, float* __restrict scratch, float* __restrict acc) {
   constexpr int C = D / 32;    // vectors of 32 bf16 per row (K)
   constexpr int CV = D / 16;   // vectors of 16 floats per row (V)
   constexpr int GB = 16 / CV;  // query heads whose V sums fit 16 registers
   const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
+  const int32_t Hq = H * G;
+  // scratch (attend_bf16_scratch floats): a run's probabilities [Hq][16], the running
+  // sums of the probabilities [Hq][16 lanes], the running maxima [Hq].
+  float* __restrict p = scratch;
+  float* __restrict lsum = scratch + (int64_t)Hq * 16;
+  float* __restrict m = scratch + (int64_t)Hq * 32;
+  for (int32_t g = 0; g < Hq; ++g) m[g] = -FLT_MAX;
+  for (int64_t x = 0; x < (int64_t)Hq * 16; ++x) lsum[x] = 0.0f;
+  for (int64_t x = 0; x < (int64_t)Hq * D; ++x) acc[x] = 0.0f;
   const __m512 sv = _mm512_set1_ps(scale);
-  // The K pass keeps the lines one block ahead in flight (K and V of the block after
-  // the run's), fed over its H * G score rows; the V pass then finds its rows in L2
-  // and prefetches nothing (two blocks ahead, or V prefetched in the V pass, measured
-  // slower: 0.60-0.67 vs 0.56 ms a layer at 61 decodes).
+  // One pass: each run's K rows, then its V rows while they are fresh. The lines stay
+  // one block ahead in flight (K and V of the block after the run's), fed a dose at a
+  // time over the run's H * G score rows.
   const int32_t b0 = first / bs, blocks = (first + width + bs - 1) / bs;
   LineFeed<bf16> lines(k, v, table, s_blk, s_off, span, bs, b0, blocks);
   lines.feed(lines.block_lines());
   for_each_block_run<0>(k, s_blk, s_off, table, first, width, bs, span, 16,
-                        [&](const bf16* r0, int32_t n, int32_t t) {
+                        [&](const bf16* r0, int32_t n, int32_t) {
+    const bf16* v0 = v + (r0 - k);  // the run's V rows: the same offsets in the V cache
     const int64_t dose = (lines.block_lines() * n / bs + H * G - 1) / (H * G);
+    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
     for (int32_t h = 0; h < H; ++h) {
       const bf16* rh = r0 + (int64_t)h * s_head;
       for (int32_t g = h * G; g < h * G + G; ++g) {
@@ -552,16 +567,26 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
             a[j] = _mm512_setzero_ps();
           }
         }
-        Vec512::store_first(scores + (int64_t)g * width + t, _mm512_mul_ps(Vec512::sums(a), sv), n);
+        // Rows past the run's n score the lowest float: exp16 clamps them to e^-87.3,
+        // under 1e-37, beside the run's largest (1): nothing.
+        const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX),
+                                              _mm512_mul_ps(Vec512::sums(a), sv));
+        // Online softmax: sums are kept relative to the largest score so far, and
+        // rescaled only when a run brings a larger one (rarely, after the first runs).
+        const float top = _mm512_reduce_max_ps(s);
+        if (top > m[g]) {
+          const __m512 cf = _mm512_set1_ps(std::exp(m[g] - top));  // 0 on the first run
+          m[g] = top;
+          _mm512_storeu_ps(lsum + (int64_t)g * 16, _mm512_mul_ps(cf, _mm512_loadu_ps(lsum + (int64_t)g * 16)));
+          for (int c = 0; c < CV; ++c)
+            _mm512_storeu_ps(acc + (int64_t)g * D + 16 * c,
+                             _mm512_mul_ps(cf, _mm512_loadu_ps(acc + (int64_t)g * D + 16 * c)));
+        }
+        const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[g])));
+        _mm512_storeu_ps(lsum + (int64_t)g * 16, _mm512_add_ps(e, _mm512_loadu_ps(lsum + (int64_t)g * 16)));
+        _mm512_storeu_ps(p + (int64_t)g * 16, e);
       }
-    }
-  });
-  softmax_rows(scores, H * G, width);
-  for (int64_t x = 0; x < (int64_t)H * G * D; ++x) acc[x] = 0.0f;
-  for_each_block_run<0>(v, s_blk, s_off, table, first, width, bs, span, bs,
-                        [&](const bf16* r0, int32_t n, int32_t t) {
-    for (int32_t h = 0; h < H; ++h) {
-      const bf16* rh = r0 + (int64_t)h * s_head;
+      const bf16* vh = v0 + (int64_t)h * s_head;
       for (int32_t g0 = h * G; g0 < h * G + G; g0 += GB) {
         const int32_t ng = std::min<int32_t>(GB, h * G + G - g0);
         __m512 av[GB][CV];
@@ -571,13 +596,13 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
             av[gi][c] = gi < ng ? _mm512_loadu_ps(acc + (int64_t)(g0 + gi) * D + 16 * c)
                                 : _mm512_setzero_ps();
         for (int32_t j = 0; j < n; ++j) {
-          const bf16* r = rh + (int64_t)j * s_off;
+          const bf16* r = vh + (int64_t)j * s_off;
           __m512 vr[CV];
           for (int c = 0; c < CV; ++c) vr[c] = load_bf16(r + 16 * c);
 #pragma GCC unroll 16
           for (int gi = 0; gi < GB; ++gi) {
             if (gi >= ng) break;
-            const __m512 w = _mm512_set1_ps(scores[(int64_t)(g0 + gi) * width + t + j]);
+            const __m512 w = _mm512_set1_ps(p[(int64_t)(g0 + gi) * 16 + j]);
             for (int c = 0; c < CV; ++c) av[gi][c] = _mm512_fmadd_ps(w, vr[c], av[gi][c]);
           }
         }
@@ -590,8 +615,12 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
       }
     }
   });
-  for (int64_t x = 0; x < (int64_t)H * G * D; x += 16)
-    store_bf16(o + x, to_bf16(_mm512_loadu_ps(acc + x)));
+  for (int32_t g = 0; g < Hq; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(lsum + (int64_t)g * 16)));
+    for (int c = 0; c < CV; ++c)
+      store_bf16(o + (int64_t)g * D + 16 * c,
+                 to_bf16(_mm512_mul_ps(inv, _mm512_loadu_ps(acc + (int64_t)g * D + 16 * c))));
+  }
 }
 #endif
 
@@ -630,7 +659,9 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf((size_t)Hq * D), scores((size_t)Hq * widest), acc((size_t)Hq * D);
+    // scores: [Hq, widest] for the other paths, attend_bf16's [Hq, 33] scratch
+    std::vector<float> qf((size_t)Hq * D), scores((size_t)Hq * std::max<int64_t>(widest, 33)),
+        acc((size_t)Hq * D);
     std::vector<float> scratch((size_t)16 * D);
     for (;;) {
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);

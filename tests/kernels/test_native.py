@@ -4,6 +4,8 @@ path it replaces), and a clean fallback."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,6 +114,25 @@ def test_every_compiled_head_dim(head_dim, group, block_size, dtype, atol, slidi
     n = case.metadata.num_actual_tokens
     expected = dense_attention(case, sliding_window)
     torch.testing.assert_close(out[:n].double(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 3, 16), (128, 8, 32)])
+def test_bf16_decode_over_a_wide_range_of_scores(head_dim, group, block_size):
+    """The bf16 path's softmax is one pass: its sums are kept relative to the largest
+    score seen so far and rescaled whenever a later run of rows brings a larger one.
+    With the scale 8x (scores spread over about +-25 instead of +-3), most runs rescale
+    and most probabilities underflow next to the largest; the output still matches the
+    dense oracle (and the float32-cache path, which computes the softmax in two passes)."""
+    case = _geometry_case(head_dim, group, block_size, torch.bfloat16)
+    case = dataclasses.replace(case, scale=case.scale * 8)
+    assert native.decode_kernel(case.query, case.kv_cache) is not None
+    out = paged_attention_ref(case.query, case.kv_cache, case.metadata, scale=case.scale)
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-2, rtol=2e-2)
+    two_pass = paged_attention_ref(
+        case.query.float(), case.kv_cache.float(), case.metadata, scale=case.scale
+    )
+    torch.testing.assert_close(out[:n].float(), two_pass[:n], atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(
