@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="with --matmul-floor: measure the run and its matmul replay N times in "
-        "back-to-back pairs and report the median share (ceiling_share_median)",
+        "back-to-back pairs and report the median share (ceiling_share_median; "
+        "ceiling_share_at_fastest_replay: against the fastest replay)",
     )
     engine.add_argument(
         "--plot",

@@ -242,7 +242,8 @@ def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir, tp):
 def test_bench_engine_share_rounds_pair_each_run_with_its_replay(llama_dir):
     """`share_rounds`: the run and its torch-path replay measured again in pairs, the
     prefix cache emptied between runs (with it on, a repeat would hit every prompt and
-    take fewer, smaller steps), the order alternating; the headline is the median."""
+    take fewer, smaller steps), the order alternating; the headline is the median, and
+    beside it the median against the rounds' fastest replay."""
     from spur.cluster.bench import engine
 
     out = engine.run(
@@ -265,6 +266,13 @@ def test_bench_engine_share_rounds_pair_each_run_with_its_replay(llama_dir):
         assert r["share"] == pytest.approx(r["matmul_s"] / r["elapsed_s"], abs=1e-3)
     assert spur["matmul_share_median"] == sorted(r["share"] for r in rounds)[1]
     assert entry["ceiling_share_median"] == spur["matmul_share_median"]
+    # against the fastest replay of the rounds: each round's share, or less
+    fastest = min(r["matmul_s"] for r in rounds)
+    assert spur["matmul_s_fastest"] == fastest
+    at_fastest = sorted(fastest / r["elapsed_s"] for r in rounds)[1]
+    assert spur["matmul_share_at_fastest_replay"] == pytest.approx(at_fastest, abs=1e-3)
+    assert spur["matmul_share_at_fastest_replay"] <= spur["matmul_share_median"]
+    assert entry["ceiling_share_at_fastest_replay"] == spur["matmul_share_at_fastest_replay"]
     with pytest.raises(ValueError, match="together with matmul_floor"):
         engine.run(model=str(llama_dir), quick=True, dtypes=("float32",), share_rounds=2)
     with pytest.raises(ValueError, match="share_rounds 0"):
