@@ -442,6 +442,10 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// Floats of attend_bf16's scratch per query head (see there): decode_typed sizes its
+// per-thread `scores` buffer to at least this many a head.
+constexpr int64_t kBf16ScratchPerHead = 33;
+
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
 // The path of bf16 queries on a bf16 cache (head_dim 64 or 128, AVX-512 BF16 builds,
 // lanes 16). K: the scores are dot products of pairs (vdpbf16ps) of the query's bf16
@@ -526,8 +530,8 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
   constexpr int GB = 16 / CV;  // query heads whose V sums fit 16 registers
   const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
   const int32_t Hq = H * G;
-  // scratch (attend_bf16_scratch floats): a run's probabilities [Hq][16], the running
-  // sums of the probabilities [Hq][16 lanes], the running maxima [Hq].
+  // scratch (Hq * kBf16ScratchPerHead floats): a run's probabilities [Hq][16], the
+  // running sums of the probabilities [Hq][16 lanes], the running maxima [Hq].
   float* __restrict p = scratch;
   float* __restrict lsum = scratch + (int64_t)Hq * 16;
   float* __restrict m = scratch + (int64_t)Hq * 32;
@@ -659,9 +663,9 @@ void decode_typed(const at::Tensor& q, const at::Tensor& out, const at::Tensor& 
   std::atomic<int64_t> next{0};
   const int64_t team = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
-    // scores: [Hq, widest] for the other paths, attend_bf16's [Hq, 33] scratch
-    std::vector<float> qf((size_t)Hq * D), scores((size_t)Hq * std::max<int64_t>(widest, 33)),
-        acc((size_t)Hq * D);
+    // scores: [Hq, widest] for the other paths, attend_bf16's scratch
+    std::vector<float> qf((size_t)Hq * D),
+        scores((size_t)Hq * std::max<int64_t>(widest, kBf16ScratchPerHead)), acc((size_t)Hq * D);
     std::vector<float> scratch((size_t)16 * D);
     for (;;) {
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
