@@ -413,22 +413,30 @@ def _lost(results: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]
     ]
 
 
-def _busiest(env: Env, candidates: list[str], since: float) -> str | None:
-    """The candidate node whose chat replica reports the most running requests in a
-    heartbeat sent after `since` (time.monotonic(): an older one may describe a moment
-    before the load, and killing a replica that holds no stream tests nothing), or
-    None while none of them does."""
+def _busiest(env: Env, candidates: list[str], at_least: int = 1) -> tuple[str, int] | None:
+    """The candidate node whose chat replica holds the most requests now, at least
+    `at_least`, with that count; None while none does. Asked of each replica's own
+    Serve actor (`get_num_ongoing_requests`), not read from a heartbeat: streams seen
+    in a heartbeat may all end before the kill, and killing a replica that holds no
+    stream tests nothing (CI saw that once)."""
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
     by_node = {env.nodes[name].node_id: name for name in candidates if name in env.nodes}
-    age = time.monotonic() - since
-    running = {
-        by_node[r["node"]]: r["running"]
-        for r in env.lanes()["chat"]["replicas"]
-        if r["healthy"]
-        and r["node"] in by_node
-        and r["running"] > 0
-        and r["seconds_since_heartbeat"] < age
-    }
-    return max(running, key=running.__getitem__) if running else None
+    deployment = DeploymentID(name="engine-chat", app_name="spur")
+    held = {}
+    for r in env.lanes()["chat"]["replicas"]:
+        if not r["healthy"] or r["node"] not in by_node:
+            continue
+        name = ReplicaID(r["replica_id"], deployment).to_full_id_str()
+        actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        held[by_node[r["node"]]] = ray.get(actor.get_num_ongoing_requests.remote(), timeout=10)
+    held = {node: n for node, n in held.items() if n >= at_least}
+    if not held:
+        return None
+    node = max(held, key=held.__getitem__)
+    return node, held[node]
 
 
 def _lose_node(env: Env, name: str) -> None:
@@ -450,29 +458,37 @@ def _lose_node(env: Env, name: str) -> None:
 
 
 def _run_with_removal(
-    env: Env, candidates: list[str], n: int, after: int, max_tokens: int = 16
-) -> tuple[list[dict[str, Any]], float, str]:
+    env: Env,
+    candidates: list[str],
+    n: int,
+    after: int,
+    max_tokens: int = 16,
+    at_least: int = 1,
+) -> tuple[list[dict[str, Any]], float, str, int]:
     """Run `n` requests of `max_tokens` at concurrency 16; once `after` started, remove
     whichever of the `candidates` nodes is serving requests (prefix affinity may keep
     all traffic on one replica: removing an idle one would test nothing).
     The node is killed, not shut down (`_lose_node`): a graceful removal (SIGTERM
     to its raylet) lets the replica finish the streams it holds before it exits,
     and then no request sees the failure this tests.
-    Returns the results, the time the removal began and the node removed."""
+    `at_least`: see `_busiest`.
+    Returns the results, the time the removal began, the node removed and the
+    requests its replica held just before."""
     started: list[float] = []
-    removed: list[tuple[float, str]] = []
+    removed: list[tuple[float, str, int]] = []
 
     async def main() -> list[dict[str, Any]]:
         async def remover() -> None:
             while len(started) < after:
                 await asyncio.sleep(0.02)
-            loaded = deadline = time.monotonic()
-            deadline += 60
-            while (node := await asyncio.to_thread(_busiest, env, candidates, loaded)) is None:
-                assert time.monotonic() < deadline, f"no replica on {candidates} ran requests"
-                await asyncio.sleep(0.1)
-            removed.append((time.monotonic(), node))
-            await asyncio.to_thread(_lose_node, env, node)
+            deadline = time.monotonic() + 60
+            while (busiest := await asyncio.to_thread(_busiest, env, candidates, at_least)) is None:
+                assert time.monotonic() < deadline, (
+                    f"no replica on {candidates} held {at_least}+ requests"
+                )
+                await asyncio.sleep(0.02)
+            removed.append((time.monotonic(), *busiest))
+            await asyncio.to_thread(_lose_node, env, busiest[0])
 
         task = asyncio.create_task(remover())
         results = await _load(env.url, n, 16, max_tokens, started)
@@ -480,12 +496,15 @@ def _run_with_removal(
         return results
 
     results = asyncio.run(main())
-    return results, removed[0][0], removed[0][1]
+    return results, *removed[0]
 
 
 def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
-    # 32-token streams: each replica holds streams longer than a heartbeat period.
-    results, removed_at, _ = _run_with_removal(env, ["a", "b"], n=200, after=60, max_tokens=32)
+    # 32-token streams (~0.4 s here), and a replica that holds 4+ of them just before
+    # it is killed: the kill cuts streams, or this tests nothing.
+    results, removed_at, _, held = _run_with_removal(
+        env, ["a", "b"], n=200, after=60, max_tokens=32, at_least=4
+    )
     lost = _lost(results, 32)
     assert not lost, lost[:5]
     # Failover time: from the node's removal until the index held its replica
@@ -509,12 +528,14 @@ def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
                 "requests": len(results),
                 "lost": len(lost),
                 "in_flight_at_removal": len(crossing),
+                "held_by_the_lost_replica": held,
                 "worst_latency_across_removal_s": round(worst, 3),
                 "median_latency_s": round(
                     sorted(r["latency_s"] for r in results)[len(results) // 2], 3
                 ),
                 "failovers": _event_count(routing, "failover"),
                 "retries": _event_count(routing, "retry"),
+                "replica_failed": _event_count(routing, "replica_failed"),
             }
         )
     )
@@ -523,7 +544,7 @@ def test_losing_a_primary_under_load_loses_no_request(env: Env) -> None:
 
 def test_losing_both_primaries_sends_the_lane_to_the_spare(env: Env) -> None:
     spare_before = sum(r["prefix_queries_total"] for r in env.replicas("spare").values())
-    results, _, _ = _run_with_removal(env, ["a", "b"], n=60, after=8)
+    results, *_ = _run_with_removal(env, ["a", "b"], n=60, after=8)
     lost = _lost(results, 16)
     assert not lost, lost[:5]
     lanes = env.wait_for(
