@@ -115,6 +115,28 @@ def test_torch_linears_unpack_for_every_call(tiny_model_dir, same_as_layer_by_la
         same_as_layer_by_layer(model, torch.float32, torch.float32)
 
 
+def test_weights_packed_again_reach_the_next_step(
+    tiny_model_dir, paged_stepper, served, panels_here
+):
+    """`forward` reads the layers' weights once per model (`_modules`, cached). A layer
+    packed again (new weights loaded, then `pack_weight`) is read by the next step,
+    as the layers one by one read it."""
+    model = _model(tiny_model_dir, "llama", torch.float32, True)
+    before, _ = _steps(paged_stepper, model, torch.float32)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    w = native.unpack_linear(o_proj.weight_panels, o_proj.packed_out_features)
+    o_proj.weight = torch.nn.Parameter(w * 1.5, requires_grad=False)
+    o_proj.weight_panels = None
+    assert o_proj.pack_weight() > 0
+    stacked, _ = _steps(paged_stepper, model, torch.float32)
+    assert len(served) == 2 * len(STEPS)  # the stack ran every step of both runs
+    with llama_stack.layer_by_layer():
+        layered, _ = _steps(paged_stepper, model, torch.float32)
+    assert not torch.equal(stacked[0], before[0])  # the new weights matter
+    for s, (a, b) in enumerate(zip(stacked, layered, strict=True)):
+        assert torch.equal(a, b), f"step {s}"
+
+
 def _one_step(model, computed: list[int], nums: list[int], cache_dtype=torch.float32):
     shape = model.kv_cache_shape(64, BLOCK)
     kv_caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(model.num_attention_layers)]

@@ -63,6 +63,16 @@ def _new_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+_packing = {"generation": 0}
+
+
+def packing_generation() -> int:
+    """A number that changes whenever a layer's weight is packed, adopted from a tied
+    layer, or unpacked / restored (`unpacked_linears`): what callers that cache the
+    panels of a model (`llama_stack`) key their caches on."""
+    return _packing["generation"]
+
+
 class PackedWeight:
     """A layer whose weight can be packed once, after loading, into the panels
     `native.linear_panels` reads (`native.pack_linear`: float32 on CPUs where spur's
@@ -94,6 +104,7 @@ class PackedWeight:
 
     def _adopt(self, weight: nn.Parameter, panels: torch.Tensor, out_features: int) -> None:
         self.weight, self.weight_panels, self.packed_out_features = weight, panels, out_features
+        _packing["generation"] += 1
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T + bias [..., out] on this rank's weight."""
@@ -141,11 +152,13 @@ def unpacked_linears(model: nn.Module) -> Iterator[None]:
             native.unpack_linear(m.weight_panels, m.packed_out_features), requires_grad=False
         )
         m.weight_panels = None
+    _packing["generation"] += 1
     try:
         yield
     finally:
         for m, (weight, panels) in zip(packed, saved, strict=True):
             m.weight, m.weight_panels = weight, panels
+        _packing["generation"] += 1
 
 
 class ColumnParallelLinear(PackedWeight, nn.Module):
