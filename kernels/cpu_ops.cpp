@@ -930,15 +930,16 @@ void prefill_tile(const bf16* q, int64_t q_row, bf16* o, int64_t o_row, const bf
       float* __restrict sg = s + ((int64_t)t * G + g) * 16;
       const float* __restrict mg = mf + g * 16;
       float* __restrict lg = lf + g * 16;
-      // libmvec's exp (vectorised) takes a scalar path for arguments below ~-87: the
-      // argument is clamped, and a masked key (score -1e30) set to 0 after the exp
-#pragma omp simd
-      for (int i = 0; i < 16; ++i) {
-        const float score = sg[i];
-        const float e = std::exp(std::max(score - mg[i], -80.0f));
-        sg[i] = score < -1e29f ? 0.0f : e;
-        lg[i] += sg[i];
-      }
+      // e^(score - max) by exp16, inline (libmvec's expf was a call per 16 lanes, ~20%
+      // of this softmax's time: BENCHMARKS.md, twenty-seventh round); within 2 ulp of
+      // exp, and the probabilities are rounded to bf16 below. A masked key (score
+      // -1e30) is 0.
+      const __m512 score = _mm512_loadu_ps(sg);
+      const __mmask16 live = _mm512_cmp_ps_mask(score, _mm512_set1_ps(-1e29f), _CMP_GE_OQ);
+      const __m512 x = _mm512_max_ps(_mm512_sub_ps(score, _mm512_loadu_ps(mg)), _mm512_set1_ps(-80.0f));
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(x));
+      _mm512_storeu_ps(sg, e);
+      _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), e));
     }
   const int32_t pairs = (nk + 1) / 2;
   if (nk % 2) {
