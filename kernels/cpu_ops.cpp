@@ -930,10 +930,10 @@ void prefill_tile(const bf16* q, int64_t q_row, bf16* o, int64_t o_row, const bf
       float* __restrict sg = s + ((int64_t)t * G + g) * 16;
       const float* __restrict mg = mf + g * 16;
       float* __restrict lg = lf + g * 16;
-      // e^(score - max) by exp16, inline (libmvec's expf was a call per 16 lanes, ~20%
-      // of this softmax's time: BENCHMARKS.md, twenty-seventh round); within 2 ulp of
-      // exp, and the probabilities are rounded to bf16 below. A masked key (score
-      // -1e30) is 0.
+      // e^(score - max) by exp16, inline (libmvec's expf, a call per 16 lanes, was 0.9%
+      // of the bf16 engine bench's samples: BENCHMARKS.md, twenty-seventh round); within
+      // 2 ulp of exp, and the probabilities are rounded to bf16 below. A masked key
+      // (score -1e30) is 0.
       const __m512 score = _mm512_loadu_ps(sg);
       const __mmask16 live = _mm512_cmp_ps_mask(score, _mm512_set1_ps(-1e29f), _CMP_GE_OQ);
       const __m512 x = _mm512_max_ps(_mm512_sub_ps(score, _mm512_loadu_ps(mg)), _mm512_set1_ps(-80.0f));

@@ -430,8 +430,12 @@ def _busiest(env: Env, candidates: list[str], at_least: int = 1) -> tuple[str, i
         if not r["healthy"] or r["node"] not in by_node:
             continue
         name = ReplicaID(r["replica_id"], deployment).to_full_id_str()
-        actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
-        held[by_node[r["node"]]] = ray.get(actor.get_num_ongoing_requests.remote(), timeout=10)
+        try:  # a replica that went away since the report holds nothing
+            actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            n = ray.get(actor.get_num_ongoing_requests.remote(), timeout=10)
+        except (ValueError, ray.exceptions.RayError):
+            continue
+        held[by_node[r["node"]]] = n
     held = {node: n for node, n in held.items() if n >= at_least}
     if not held:
         return None
