@@ -115,38 +115,30 @@ def forward(
     for kv in kv_caches:
         if kv.shape != kv0.shape or kv.dtype != kv0.dtype or kv.stride() != kv0.stride():
             return None
-    modules = _modules(model, hidden.dtype)
-    if modules is None:
+    ok, weights = _modules(model, hidden.dtype)
+    if not ok:
         return None
     query = hidden.new_empty(n, attn0.num_heads, attn0.head_dim)  # what each layer's q is
     reference.check_attention_args(query, kv0, metadata, None, None)
     kernel, (sdpa_prefills, groups, plan, tiles) = reference.step_layout(query, kv0, metadata, None)
     if kernel is None or sdpa_prefills or groups:
         return None
-    return _run(lib, model, hidden, positions, kv_caches, metadata, plan, tiles, modules)
+    return _run(lib, model, hidden, positions, kv_caches, metadata, plan, tiles, weights)
 
 
-class _Modules:
-    """What `forward` reads of a model's modules every step, read once:
-    `weights` (`_stack_weights`, or None: the Python loop)."""
-
-    def __init__(self, weights: tuple[list, list, list[int], list, list[float]] | None) -> None:
-        self.weights = weights
-
-
-def _modules(model: Any, dtype: torch.dtype) -> _Modules | None:
-    """Whether every layer's attention backend is the first's and its norms' weights
-    are in `dtype` (None: not), with `decoder_stack`'s weights: ~0.5 ms of module
-    attribute reads a step on SmolLM2's 30 layers, so cached on the model. The key
-    holds `packing_generation()` (packing, unpacking and `native.torch_linears`
-    change which weights a step reads) and the dtype; modules are not rebuilt after
-    load, and a dtype change is followed by `pack_linears`, which bumps the
-    generation."""
+def _modules(model: Any, dtype: torch.dtype) -> tuple[bool, Any]:
+    """(ok, weights): whether every layer's attention backend is the first's and its
+    norms' weights are in `dtype`, and `decoder_stack`'s weights (`_stack_weights`;
+    None: the Python loop). ~0.5 ms of module attribute reads a step on SmolLM2's 30
+    layers, so cached on the model. The key holds `packing_generation()` (packing,
+    unpacking and `native.torch_linears` change which weights a step reads) and the
+    dtype; modules are not rebuilt after load, and a dtype change is followed by
+    `pack_linears`, which bumps the generation."""
     panels = not native.linears_unpacked()
     key = (packing_generation(), dtype, panels)
     cached = getattr(model, "_stack_modules", None)
     if cached is not None and cached[0] == key:
-        return cached[1]
+        return cached[1:]
     layers = model.layers
     backend = layers[0].self_attn.attn.backend
     ok = all(
@@ -155,9 +147,9 @@ def _modules(model: Any, dtype: torch.dtype) -> _Modules | None:
         and layer.post_attention_layernorm.weight.dtype == dtype
         for layer in layers
     )
-    found = _Modules(_stack_weights(layers) if panels else None) if ok else None
-    model._stack_modules = (key, found)
-    return found
+    weights = _stack_weights(layers) if ok and panels else None
+    model._stack_modules = (key, ok, weights)
+    return ok, weights
 
 
 def _run(
@@ -169,7 +161,7 @@ def _run(
     metadata: AttentionMetadata,
     plan: native.DecodePlan | None,
     tiles: native.PrefillPlan | None,
-    modules: _Modules,
+    weights: tuple[list, list, list[int], list, list[float]] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers' ops, in the order `LlamaDecoderLayer.forward` calls them: in one
     native call (`decoder_stack`) when every linear reads packed panels of one kind and
@@ -180,7 +172,6 @@ def _run(
     cos_sin = rotary.cos_sin_cache(hidden.device)
     slots = metadata.slot_mapping
     panels = not native.linears_unpacked()
-    weights = modules.weights
     if weights is not None:
         attn = model.layers[0].self_attn
         return lib.decoder_stack(
