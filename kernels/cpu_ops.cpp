@@ -99,23 +99,46 @@ inline int64_t row_grain(int64_t width) {
 // half the op under static halves, and the other spun at the barrier for as long;
 // with blocks it takes the remaining ones. Blocks shrink as the op goes ("guided"
 // scheduling: a claim takes the remaining units / (2 x threads), at least `grain`),
-// so an op has few boundaries, where a block's first unit starts without a prefetch,
-// and small blocks at the end, where the balancing happens. A block is contiguous.
+// so an op has few boundaries, and small blocks at the end, where the balancing
+// happens. A block is contiguous.
+// f(begin, end, ahead): ahead() claims the thread's next block, once, and returns its
+// first unit (n: there is none), so that a block's last unit can prefetch the next
+// block's first one: without it each block began on weights not yet asked for, and
+// bf16 panels of 8-64 rows ran 1.02-1.15x slower (BENCHMARKS.md, twenty-eighth round).
+// f calls it at its last unit only, so a thread holds a block it has not begun for
+// one unit's time at most. A block f did not ask ahead for is claimed after it.
 template <class F>
 void parallel_blocks(int64_t n, int64_t grain, const F& f) {
   grain = std::max<int64_t>(grain, 1);
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
   const int64_t team = std::clamp<int64_t>((n + grain - 1) / grain, 1, threads);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+  // [b, e): the next block; false when none is left
+  const auto claim = [&](int64_t& b, int64_t& e) {
     int64_t begin = next.load(std::memory_order_relaxed);
     while (begin < n) {
       const int64_t size = std::max<int64_t>(grain, (n - begin) / (2 * threads));
       const int64_t end = std::min(n, begin + size);
       if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {
-        f(begin, end);
-        begin = next.load(std::memory_order_relaxed);
+        b = begin, e = end;
+        return true;
       }
+    }
+    return false;
+  };
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    int64_t b = 0, e = 0;
+    bool more = claim(b, e);
+    while (more) {
+      int64_t nb = n, ne = n;
+      bool asked = false;
+      const auto ahead = [&]() -> int64_t {
+        if (!asked) asked = true, more = claim(nb, ne);
+        return more ? nb : n;
+      };
+      f(b, e, ahead);
+      if (!asked) more = claim(nb, ne);
+      b = nb, e = ne;
     }
   });
 }
@@ -1432,7 +1455,7 @@ template <int MC, int R>
 void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
                         int64_t N, int64_t K, int64_t x_row, int64_t w_row) {
   const int64_t units = (N + R - 1) / R;
-  parallel_blocks(units, 8, [&](int64_t ub, int64_t ue) {
+  parallel_blocks(units, 8, [&](int64_t ub, int64_t ue, const auto&) {
     for (int64_t u = ub; u < ue; ++u) {
       const int64_t n0 = u * R;
       const int rows = (int)std::min<int64_t>(R, N - n0);
@@ -1542,14 +1565,16 @@ void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bia
   const int64_t P = (N + 31) / 32;
   const int64_t tiles = (M + kBf16MR - 1) / kBf16MR;
   const int mr = (int)((M + tiles - 1) / tiles);  // rows split into even tiles
-  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe) {
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * 32;
       const int cols = (int)std::min<int64_t>(32, N - n0);
       alignas(64) float bias_p[32];
       for (int j = 0; j < 32; ++j) bias_p[j] = j < cols && bias ? to_f(bias[n0 + j]) : 0.0f;
       const bf16* bp = panels + p * K * 32;
-      const bf16* next = p + 1 < pe ? bp + K * 32 : nullptr;
+      // the panel after this one: this block's next, or the first of the thread's next block
+      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
+      const bf16* next = pn < P ? panels + pn * K * 32 : nullptr;
       bf16* yp = y + n0;
       switch (mr) {
 #define SPUR_BF16_CASE(R, KS) \
@@ -1631,7 +1656,7 @@ void linear_f32_typed(const float* x, const float* w, const float* bias, float* 
   using V = LinearVec;
   constexpr int R = kLinearR;
   const int64_t units = (N + R - 1) / R;
-  parallel_blocks(units, 16, [&](int64_t ub, int64_t ue) {
+  parallel_blocks(units, 16, [&](int64_t ub, int64_t ue, const auto&) {
     for (int64_t u = ub; u < ue; ++u) {
       const int64_t n0 = u * R;
       const int rows = (int)std::min<int64_t>(R, N - n0);
@@ -1766,7 +1791,7 @@ void linear_f32_panels_typed(const float* x, const float* panels, const float* b
                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
   constexpr int PW = 2 * LinearVec::W;
   const int64_t P = (N + PW - 1) / PW;
-  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe) {
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto&) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * PW;
       panel_product(x, x_row, M, panels + p * K * PW, bias, n0,
