@@ -22,6 +22,7 @@ memory bandwidth and clock stay this CPU's. Pure: no torch, no Ray.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import platform
@@ -61,20 +62,61 @@ TORCH_ISA = {
 @dataclass(frozen=True)
 class Cpu:
     """model and vendor as /proc/cpuinfo names them; flags as spur's choices see them
-    (narrowed to `target`); `native_flags` as the CPU has them."""
+    (narrowed to `target`); `native_flags` as the CPU has them; x86's `family`,
+    `model_number` and `stepping` (None where /proc/cpuinfo has none: aarch64)."""
 
     model: str
     vendor: str
     flags: frozenset[str]
     target: str = "native"
     native_flags: frozenset[str] = frozenset()
+    family: int | None = None
+    model_number: int | None = None
+    stepping: int | None = None
+
+
+# (vendor, family, first model, last model) -> the micro-architecture. A VM's model
+# name is often generic ("AMD EPYC"): Zen 4 and Zen 5 then read alike, with the same
+# AVX-512 BF16 flags, while Zen 4 runs each 512-bit operation as two 256-bit halves
+# (half Zen 5's bf16 arithmetic a core). Only the classes spur has run on or is
+# measured against; others are None, and the family and model numbers stay on record.
+UARCHS = (
+    ("AuthenticAMD", 0x17, 0x30, 0x7F, "zen2"),
+    ("AuthenticAMD", 0x19, 0x00, 0x0F, "zen3"),
+    ("AuthenticAMD", 0x19, 0x10, 0x1F, "zen4"),
+    ("AuthenticAMD", 0x19, 0x20, 0x5F, "zen3"),
+    ("AuthenticAMD", 0x19, 0x60, 0x7F, "zen4"),
+    ("AuthenticAMD", 0x19, 0xA0, 0xAF, "zen4"),
+    ("AuthenticAMD", 0x1A, 0x00, 0xFF, "zen5"),
+    ("GenuineIntel", 6, 0x55, 0x55, "skylake-sp"),  # also Cascade and Cooper Lake
+    ("GenuineIntel", 6, 0x6A, 0x6A, "icelake-sp"),
+    ("GenuineIntel", 6, 0x8F, 0x8F, "sapphirerapids"),
+    ("GenuineIntel", 6, 0xCF, 0xCF, "emeraldrapids"),
+    ("GenuineIntel", 6, 0xAD, 0xAD, "graniterapids"),
+)
+
+
+def uarch(cpu: Cpu) -> str | None:
+    """The micro-architecture `cpu`'s vendor, family and model number name (UARCHS),
+    or None where they are unknown or not listed."""
+    for vendor, family, first, last, name in UARCHS:
+        if (
+            cpu.vendor == vendor
+            and cpu.family == family
+            and cpu.model_number is not None
+            and first <= cpu.model_number <= last
+        ):
+            return name
+    return None
 
 
 def parse(cpuinfo: str) -> Cpu:
-    """/proc/cpuinfo text -> Cpu (first processor's model, vendor and flags; x86's
-    "flags" or aarch64's "Features"). Missing fields are empty."""
+    """/proc/cpuinfo text -> Cpu (first processor's model, vendor, flags, family,
+    model number and stepping; x86's "flags" or aarch64's "Features"). Missing fields
+    are empty, or None for the numbers."""
     model = vendor = ""
     flags: frozenset[str] | None = None
+    numbers: dict[str, int | None] = {"cpu family": None, "model": None, "stepping": None}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -84,8 +126,19 @@ def parse(cpuinfo: str) -> Cpu:
             vendor = value.strip()
         elif key in ("flags", "Features") and flags is None:
             flags = frozenset(value.split())
+        elif key in numbers and numbers[key] is None and value.strip().isdigit():
+            numbers[key] = int(value.strip())
     flags = flags or frozenset()
-    return Cpu(model, vendor, flags, "native", flags)
+    return Cpu(
+        model,
+        vendor,
+        flags,
+        "native",
+        flags,
+        numbers["cpu family"],
+        numbers["model"],
+        numbers["stepping"],
+    )
 
 
 def narrow(cpu: Cpu, target: str) -> Cpu:
@@ -108,7 +161,7 @@ def narrow(cpu: Cpu, target: str) -> Cpu:
     kept = {f for f in cpu.native_flags if not f.startswith(ABOVE_V3)}
     if target == "x86-64-v4":
         kept |= V4_AVX512
-    return Cpu(cpu.model, cpu.vendor, frozenset(kept), target, cpu.native_flags)
+    return dataclasses.replace(cpu, flags=frozenset(kept), target=target)
 
 
 @functools.cache
@@ -120,7 +173,7 @@ def here() -> Cpu:
     cpu = parse(text)
     if not cpu.model:
         model = platform.processor() or platform.machine()
-        cpu = Cpu(model, cpu.vendor, cpu.flags, "native", cpu.native_flags)
+        cpu = dataclasses.replace(cpu, model=model)
     return narrow(cpu, env.cpu_target())
 
 

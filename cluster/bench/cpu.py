@@ -1,5 +1,6 @@
-"""The CPU a benchmark ran on: model name and the flags that decide torch's and
-oneDNN's fast paths (AVX2, AVX-512, AVX-512 BF16, AMX). Every bench JSON and
+"""The CPU a benchmark ran on: model name, the x86 family / model / stepping and the
+micro-architecture they name (a VM's "AMD EPYC" may be Zen 4 or Zen 5), and the flags
+that decide torch's and oneDNN's fast paths (AVX2, AVX-512, AVX-512 BF16, AMX). Every bench JSON and
 every BENCHMARKS.md round records it: sessions run on different CPU classes. Under
 SPUR_CPU_TARGET the flags are those of the level the run emulated, and `target` and
 `native_flags` say so (configs/cpu.py)."""
@@ -18,13 +19,19 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
-    """{"model", "cores", "target", "avx2", "avx512f", "avx512_bf16", "amx_tile",
-    "amx_bf16", "native_flags"} from the given /proc/cpuinfo text, else this machine's
-    as spur sees it; flags are False where it is unreadable. `native_flags`: those of
-    FLAGS the CPU itself has (they differ from the others only under a target)."""
+    """{"model", "uarch", "family", "model_number", "stepping", "cores", "target",
+    "avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "native_flags"} from the
+    given /proc/cpuinfo text, else this machine's as spur sees it; flags are False and
+    the numbers None where it is unreadable, `uarch` None where `cpu.uarch` knows none.
+    `native_flags`: those of FLAGS the CPU itself has (they differ from the others only
+    under a target)."""
     here = cpu.here() if cpuinfo is None else cpu.parse(cpuinfo)
     return {
         "model": cpu.describe(here),
+        "uarch": cpu.uarch(here),
+        "family": here.family,
+        "model_number": here.model_number,
+        "stepping": here.stepping,
         "cores": os.cpu_count(),
         "target": here.target,
         **{f: f in here.flags for f in FLAGS},

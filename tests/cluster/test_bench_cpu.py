@@ -23,6 +23,17 @@ def test_cpu_info_reads_model_and_flags():
     info = cpu_info(SAMPLE)
     assert info["model"] == "Intel(R) Xeon(R) Platinum 8480+"
     assert all(info[f] for f in FLAGS)
+    assert info["uarch"] is None and info["family"] is None  # SAMPLE has no numbers
+    genoa = cpu_info(
+        "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+        "stepping\t: 1\nflags\t\t: avx2 avx512f avx512_bf16\n"
+    )
+    assert (genoa["uarch"], genoa["family"], genoa["model_number"], genoa["stepping"]) == (
+        "zen4",
+        25,
+        17,
+        1,
+    )
     epyc = cpu_info("model name\t: AMD EPYC 7B13\nflags\t\t: fpu avx avx2 fma\n")
     assert epyc["model"] == "AMD EPYC 7B13" and epyc["avx2"]
     assert not any(epyc[f] for f in FLAGS if f != "avx2")
@@ -30,7 +41,9 @@ def test_cpu_info_reads_model_and_flags():
 
 def test_cpu_info_of_this_machine_has_every_field():
     info = cpu_info()
-    assert set(info) == {"model", "cores", "target", *FLAGS, "native_flags"} and info["model"]
+    numbers = {"uarch", "family", "model_number", "stepping"}
+    assert set(info) == {"model", *numbers, "cores", "target", *FLAGS, "native_flags"}
+    assert info["model"]
 
 
 def test_cpu_info_records_an_emulated_level():

@@ -12,7 +12,10 @@ from spur.configs import cpu
 
 ZEN5 = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
 model name\t: AMD EPYC 9B45
+stepping\t: 1
 flags\t\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe avx512f avx512dq avx512cd avx512bw \
 avx512vl avx512_bf16 avx512_vnni avx512vbmi amx_tile avx_vnni
 processor\t: 1
@@ -29,8 +32,37 @@ def test_parse_reads_the_first_processor():
     got = cpu.parse(ZEN5)
     assert (got.model, got.vendor, got.target) == ("AMD EPYC 9B45", "AuthenticAMD", "native")
     assert {"avx512_bf16", "amx_tile", "avx2"} <= got.flags and got.flags == got.native_flags
+    assert (got.family, got.model_number, got.stepping) == (26, 2, 1)
     assert cpu.parse(GRAVITON).flags == {"fp", "asimd", "bf16", "sve"}
+    assert cpu.parse(GRAVITON).family is None  # aarch64: no x86 numbers
     assert cpu.parse("") == cpu.Cpu("", "", frozenset(), "native", frozenset())
+
+
+# A VM that calls both "AMD EPYC" with the same AVX-512 BF16 flags: Zen 4 (family 25,
+# model 17: Genoa) and Zen 5 (family 26) are told apart by their numbers alone.
+@pytest.mark.parametrize(
+    ("vendor", "family", "model", "uarch"),
+    [
+        ("AuthenticAMD", 25, 17, "zen4"),
+        ("AuthenticAMD", 25, 1, "zen3"),
+        ("AuthenticAMD", 25, 0xA0, "zen4"),
+        ("AuthenticAMD", 26, 2, "zen5"),
+        ("AuthenticAMD", 23, 49, "zen2"),
+        ("GenuineIntel", 6, 0x8F, "sapphirerapids"),
+        ("GenuineIntel", 6, 0x55, "skylake-sp"),
+        ("GenuineIntel", 25, 17, None),  # an AMD family number on an Intel part
+        ("AuthenticAMD", 99, 1, None),  # not listed: None, the numbers stay on record
+    ],
+)
+def test_uarch_from_vendor_family_and_model(vendor, family, model, uarch):
+    text = (
+        f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+        "model name\t: AMD EPYC\nflags\t\t: avx avx2 fma f16c bmi1 bmi2 movbe avx512f avx512_bf16\n"
+    )
+    got = cpu.parse(text)
+    assert (got.family, got.model_number) == (family, model)
+    assert cpu.uarch(got) == uarch
+    assert cpu.uarch(cpu.narrow(got, "x86-64-v3")) == uarch  # a level keeps the CPU's numbers
 
 
 def test_v3_drops_every_avx512_and_amx_flag():
