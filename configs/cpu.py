@@ -78,8 +78,9 @@ class Cpu:
 # (vendor, family, first model, last model) -> the micro-architecture. A VM's model
 # name is often generic ("AMD EPYC"): Zen 4 and Zen 5 then read alike, with the same
 # AVX-512 BF16 flags, while Zen 4 runs each 512-bit operation as two 256-bit halves
-# (half Zen 5's bf16 arithmetic a core). Only the classes spur has run on or is
-# measured against; others are None, and the family and model numbers stay on record.
+# (about half Zen 5's bf16 arithmetic a core: BENCHMARKS.md, thirty-second round).
+# Only the classes spur has run on or is measured against; others are None, and the
+# family and model numbers stay on record.
 UARCHS = (
     ("AuthenticAMD", 0x17, 0x30, 0x7F, "zen2"),
     ("AuthenticAMD", 0x19, 0x00, 0x0F, "zen3"),
