@@ -134,11 +134,10 @@ def parse(cpuinfo: str) -> Cpu:
         model,
         vendor,
         flags,
-        "native",
-        flags,
-        numbers["cpu family"],
-        numbers["model"],
-        numbers["stepping"],
+        native_flags=flags,
+        family=numbers["cpu family"],
+        model_number=numbers["model"],
+        stepping=numbers["stepping"],
     )
 
 

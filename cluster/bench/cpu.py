@@ -1,9 +1,9 @@
 """The CPU a benchmark ran on: model name, the x86 family / model / stepping and the
 micro-architecture they name (a VM's "AMD EPYC" may be Zen 4 or Zen 5), and the flags
-that decide torch's and oneDNN's fast paths (AVX2, AVX-512, AVX-512 BF16, AMX). Every bench JSON and
-every BENCHMARKS.md round records it: sessions run on different CPU classes. Under
-SPUR_CPU_TARGET the flags are those of the level the run emulated, and `target` and
-`native_flags` say so (configs/cpu.py)."""
+that decide torch's and oneDNN's fast paths (AVX2, AVX-512, AVX-512 BF16, AMX). Every
+bench JSON and every BENCHMARKS.md round records it: sessions run on different CPU
+classes. Under SPUR_CPU_TARGET the flags are those of the level the run emulated, and
+`target` and `native_flags` say so (configs/cpu.py)."""
 
 from __future__ import annotations
 
