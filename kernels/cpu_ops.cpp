@@ -289,23 +289,27 @@ struct Vec512 {
   static void widen(const bf16* src, float* dst) {
     _mm512_storeu_ps(dst, widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
   }
-  // r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels.
+  // r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels, each
+  // pair of vectors added as one blend plus one shuffle (the halves that stay in place
+  // need no shuffle: 16 shuffles where two a pair took 31).
   static T sums(const T* a) {
     __m512 c[8], d[4], e[2];
     for (int i = 0; i < 8; ++i)  // c[i]: 128-bit lanes 0-1 hold a[2i]'s partials, 2-3 a[2i+1]'s
-      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)  // d[i]: lane k holds 4 partials of a[4i + k]
-      d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)  // e[i]: lane k holds 2 of a[8i + k], 2 of a[8i + 4 + k]
-      e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
-                           _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
-    // f[4k + m] = sum(a[4m + k]); put them in order
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
-                                   _mm512_shuffle_ps(e[0], e[1], 0xDD));
+      c[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a[2 * i], a[2 * i + 1]),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x4E));
+    // d[i]: lane k holds 4 partials of a[4i + {0, 2, 1, 3}[k]]
+    const __m512i cross = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+    for (int i = 0; i < 4; ++i)
+      d[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, c[2 * i], c[2 * i + 1]),
+                           _mm512_permutex2var_ps(c[2 * i], cross, c[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)  // e[i]: in lane k, 2 of d[2i]'s lane k, then 2 of d[2i + 1]'s
+      e[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, d[2 * i], d[2 * i + 1]),
+                           _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x4E));
+    // f[4k + j] = sum(a[{0, 8, 4, 12}[j] + {0, 2, 1, 3}[k]]); put them in order
+    const __m512 f = _mm512_add_ps(_mm512_mask_blend_ps(0xAAAA, e[0], e[1]),
+                                   _mm512_permute_ps(_mm512_mask_blend_ps(0xAAAA, e[1], e[0]), 0xB1));
     const __m512i order =
-        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
     return _mm512_permutexvar_ps(order, f);
   }
 };
