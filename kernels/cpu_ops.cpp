@@ -479,17 +479,13 @@ constexpr int64_t kBf16ScratchPerHead = 33;
 // values and the K rows as stored: exact products, float32 sums, scaled after the sum;
 // no widening into a scratch and no float copy of q (attend_simd widens every K row
 // to float first and reloads it per query head). A run of up to 16 rows' 16 lane
-// vectors become their scores with one Vec512::sums. V: the probabilities are rounded
-// to bf16, as SDPA's CPU kernel and prefill_tile round them, and meet V in pairs of
-// rows on vdpbf16ps, added into the float32 sums of the query heads of its KV head (up
-// to 16 vectors, loaded and stored once a run; half the instructions of rows widened
-// to float times float probabilities: 1.10x with the cache resident, 0.99-1.1x from
-// memory on Zen 4, BENCHMARKS.md, thirty-third round). One pass over
-// the window: each run's K rows, then its V rows while they are in L1, with an online
-// softmax (the sums kept relative to the largest score so far, rescaled when a run
-// brings a larger one). Same math as `attend` (float32 softmax and sums), up to the
-// order of the additions, e^x within 2 ulp (exp16) and the probabilities' bf16
-// rounding in the weighted sum (not in their total). 1.7x attend_simd with the cache in L3, 1.1-1.2x from memory
+// vectors become their scores with one Vec512::sums. V: each row is widened in
+// registers and added into the float32 sums of the query heads of its KV head (up to
+// 16 vectors, loaded and stored once a run). One pass over the window: each run's K rows,
+// then its V rows while they are in L1, with an online softmax (the sums kept relative
+// to the largest score so far, rescaled when a run brings a larger one). Same math as
+// `attend` (float32 softmax and sums), up to the order of the additions and e^x within 2
+// ulp (exp16). 1.7x attend_simd with the cache in L3, 1.1-1.2x from memory
 // (BENCHMARKS.md, sixteenth round); with the K pass feeding its prefetches (LineFeed)
 // 1.3x more from memory (0.65 vs 0.85 ms a layer at 61 decodes, seventeenth); in one
 // pass 1.15x more (0.66 vs 0.77 ms, twenty-sixth round): the two-pass kernel's V pass
@@ -551,19 +547,6 @@ struct LineFeed {
   }
 };
 
-// attend_bf16's V sums are kept in the lane order vpunpck[lh]wd gives row pairs: for
-// each 32 values of a head (two vectors, lo and hi), lo's 128-bit lane l holds values
-// 8l to 8l + 3 and hi's lane l values 8l + 4 to 8l + 7. get(lo, t) gives values 16t to
-// 16t + 15 in order (lo: 32 floats, lo then hi).
-struct PairOrder {
-  static __m512 get(const float* lo, int t) {
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second =
-        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    return _mm512_permutex2var_ps(_mm512_loadu_ps(lo), t ? second : first, _mm512_loadu_ps(lo + 16));
-  }
-};
-
 template <int D>
 void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __restrict k,
                  const bf16* __restrict v, int64_t s_blk, int64_t s_off, int64_t s_head,
@@ -574,10 +557,9 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
   constexpr int GB = 16 / CV;  // query heads whose V sums fit 16 registers
   const int32_t span = (int32_t)((H - 1) * s_head + D);  // elements of a row's H heads
   const int32_t Hq = H * G;
-  // scratch (Hq * kBf16ScratchPerHead floats): a run's probabilities in bf16 [Hq][16]
-  // (in the room of [Hq][16] floats), the running sums of the probabilities [Hq][16
-  // lanes], the running maxima [Hq].
-  bf16* __restrict pb = reinterpret_cast<bf16*>(scratch);
+  // scratch (Hq * kBf16ScratchPerHead floats): a run's probabilities [Hq][16], the
+  // running sums of the probabilities [Hq][16 lanes], the running maxima [Hq].
+  float* __restrict p = scratch;
   float* __restrict lsum = scratch + (int64_t)Hq * 16;
   float* __restrict m = scratch + (int64_t)Hq * 32;
   for (int32_t g = 0; g < Hq; ++g) m[g] = -FLT_MAX;
@@ -633,13 +615,8 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
         }
         const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[g])));
         _mm512_storeu_ps(lsum + (int64_t)g * 16, _mm512_add_ps(e, _mm512_loadu_ps(lsum + (int64_t)g * 16)));
-        store_bf16(pb + (int64_t)g * 16, to_bf16(e));
+        _mm512_storeu_ps(p + (int64_t)g * 16, e);
       }
-      // V: the sums += P V on bf16 dot products, two rows a step: rows j and j + 1
-      // interleaved element by element (vpunpck[lh]wd, within each 128-bit lane), and
-      // vdpbf16ps adds p_j v_j[d] + p_j+1 v_j+1[d] into each float lane. The sums stay in
-      // that lane order (PairOrder) until the last store. An odd run's last row pairs
-      // with zeros (the row after it may be outside the cache).
       const bf16* vh = v0 + (int64_t)h * s_head;
       for (int32_t g0 = h * G; g0 < h * G + G; g0 += GB) {
         const int32_t ng = std::min<int32_t>(GB, h * G + G - g0);
@@ -649,25 +626,15 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
           for (int c = 0; c < CV; ++c)
             av[gi][c] = gi < ng ? _mm512_loadu_ps(acc + (int64_t)(g0 + gi) * D + 16 * c)
                                 : _mm512_setzero_ps();
-        for (int32_t j = 0; j < n; j += 2) {
+        for (int32_t j = 0; j < n; ++j) {
           const bf16* r = vh + (int64_t)j * s_off;
-          const bool pair = j + 1 < n;
-          __m512bh vr[CV];
-          for (int c = 0; c < C; ++c) {
-            const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(r + 32 * c));
-            const __m512i b =
-                pair ? _mm512_loadu_si512(reinterpret_cast<const void*>(r + s_off + 32 * c))
-                     : _mm512_setzero_si512();
-            vr[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-            vr[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-          }
+          __m512 vr[CV];
+          for (int c = 0; c < CV; ++c) vr[c] = load_bf16(r + 16 * c);
 #pragma GCC unroll 16
           for (int gi = 0; gi < GB; ++gi) {
             if (gi >= ng) break;
-            int32_t two;  // p_j and p_j+1 (an odd run's last pair: times zeros)
-            std::memcpy(&two, pb + (int64_t)(g0 + gi) * 16 + j, sizeof two);
-            const __m512bh w = (__m512bh)_mm512_set1_epi32(two);
-            for (int c = 0; c < CV; ++c) av[gi][c] = _mm512_dpbf16_ps(av[gi][c], vr[c], w);
+            const __m512 w = _mm512_set1_ps(p[(int64_t)(g0 + gi) * 16 + j]);
+            for (int c = 0; c < CV; ++c) av[gi][c] = _mm512_fmadd_ps(w, vr[c], av[gi][c]);
           }
         }
 #pragma GCC unroll 16
@@ -681,12 +648,9 @@ void attend_bf16(const bf16* __restrict q, bf16* __restrict o, const bf16* __res
   });
   for (int32_t g = 0; g < Hq; ++g) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(lsum + (int64_t)g * 16)));
-    for (int c = 0; c < C; ++c) {  // the pair order back to the head's: 32 values a step
-      const float* lo = acc + (int64_t)g * D + 32 * c;
-      for (int t = 0; t < 2; ++t)
-        store_bf16(o + (int64_t)g * D + 32 * c + 16 * t,
-                   to_bf16(_mm512_mul_ps(inv, PairOrder::get(lo, t))));
-    }
+    for (int c = 0; c < CV; ++c)
+      store_bf16(o + (int64_t)g * D + 16 * c,
+                 to_bf16(_mm512_mul_ps(inv, _mm512_loadu_ps(acc + (int64_t)g * D + 16 * c))));
   }
 }
 #endif
