@@ -289,9 +289,10 @@ struct Vec512 {
   static void widen(const bf16* src, float* dst) {
     _mm512_storeu_ps(dst, widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
   }
-  // r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels, each
-  // pair of vectors added as one blend plus one shuffle (the halves that stay in place
-  // need no shuffle: 16 shuffles where two a pair took 31).
+  // r[j] = the sum of a[j]'s 16 lanes, j < 16: a transpose-and-add in four levels. Each
+  // pair of vectors is added as a blend (the halves that stay in place) plus one shuffle
+  // (the others): 16 shuffles in all, where two shuffles a pair took 31. Every level
+  // adds the same pairs as the two-shuffle form, so the sums are the same bits.
   static T sums(const T* a) {
     __m512 c[8], d[4], e[2];
     for (int i = 0; i < 8; ++i)  // c[i]: 128-bit lanes 0-1 hold a[2i]'s partials, 2-3 a[2i+1]'s
