@@ -26,6 +26,12 @@ better for spur below 1). Both servers get an untimed warm-up first. Each arm
 records the host's busy and stolen CPU share (`host_cpu`), each level each arm's
 worst steal (`steal_pct_max`): a contended host lowers both servers' figures.
 
+The client shares the cores with the servers it times. Each server runs in its own
+session at autogroup nice 10 (`cpu.favour_client`), so the client gets a CPU as
+soon as a token arrives instead of waiting its turn behind two busy server threads;
+each arm records how late the client's loop woke (`client`, and `client_lag_ms_max`
+a level), and a warning names an arm whose client waited more than 50 ms.
+
 Progress goes to stderr (a rich progress bar per arm and level); the result is
 one JSON document (the CLI keeps stdout for it). `plot(result, path)` draws
 tokens/s and TTFT p50/p99 against concurrency, both servers side by side.
@@ -55,7 +61,15 @@ from pathlib import Path
 from typing import Any
 
 from spur.actors.ports import free_port
-from spur.cluster.bench.cpu import cpu_info, cpu_times, host_share, warn_steal
+from spur.cluster.bench.cpu import (
+    ClientLag,
+    cpu_info,
+    cpu_times,
+    favour_client,
+    host_share,
+    warn_client_lag,
+    warn_steal,
+)
 from spur.cluster.bench.progress import progress_bars
 from spur.cluster.bench.serve import WORDS, percentile_ms
 
@@ -161,6 +175,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     log: Path
     cleanup: list[Path] = field(default_factory=list)
+    autogroup_nice: int | None = None  # what `favour_client` gave its session
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
@@ -211,7 +226,10 @@ def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int)
             cwd=log.parent,
             start_new_session=True,
         )
-    return Server(name, f"http://127.0.0.1:{port}", proc, log)
+    # Its own session, at a lower autogroup weight than the bench's: the client
+    # must get a CPU when a token arrives, or it times its own waits (cpu.favour_client).
+    nice = favour_client(proc.pid)
+    return Server(name, f"http://127.0.0.1:{port}", proc, log, autogroup_nice=nice)
 
 
 @contextlib.contextmanager
@@ -316,7 +334,8 @@ async def _arm(
     model: str = MODEL,
 ) -> dict[str, Any]:
     """Send `work` with at most `concurrency` streams in flight; the arm's summary,
-    with `host_cpu`: what the whole machine did meanwhile (`cpu.host_share`)."""
+    with `host_cpu`: what the whole machine did meanwhile (`cpu.host_share`), and
+    `client`: how late the client's own event loop woke (`cpu.ClientLag`)."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -331,10 +350,11 @@ async def _arm(
 
         ticks = cpu_times()
         start = time.perf_counter()
-        results = await asyncio.gather(*(run(m) for m in work))
+        async with ClientLag() as lag:
+            results = await asyncio.gather(*(run(m) for m in work))
         elapsed = time.perf_counter() - start
         host = host_share(ticks, cpu_times())
-    return summarize(results, elapsed, concurrency) | {"host_cpu": host}
+    return summarize(results, elapsed, concurrency) | {"host_cpu": host, "client": lag.summary()}
 
 
 def summarize(results: list[dict[str, Any]], elapsed: float, concurrency: int) -> dict[str, Any]:
@@ -364,16 +384,20 @@ METRICS = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p
 def combine(concurrency: int, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """A level from its rounds ({"spur": arm, "llama_cpp": arm} each): each arm's
     median per metric over rounds, its errors, the most CPU time the hypervisor took
-    in any of its rounds (`steal_pct_max`, None where unread), and per metric the
+    in any of its rounds (`steal_pct_max`, None where unread), the latest the client's
+    loop woke in any of them (`client_lag_ms_max`, None where unread), and per metric the
     median of the per-round ratios spur / llama.cpp (None where a round lacks the
     figure)."""
     level: dict[str, Any] = {"concurrency": concurrency}
     for arm in ("spur", "llama_cpp"):
         steal = [(r[arm].get("host_cpu") or {}).get("steal_pct") for r in rounds]
         known = [v for v in steal if v is not None]
+        lag = [(r[arm].get("client") or {}).get("loop_lag_ms_max") for r in rounds]
+        lag_known = [v for v in lag if v is not None]
         level[arm] = {m: _median([r[arm][m] for r in rounds]) for m in METRICS} | {
             "errors": sum(r[arm]["errors"] for r in rounds),
             "steal_pct_max": max(known) if known else None,
+            "client_lag_ms_max": max(lag_known) if lag_known else None,
         }
     ratios = {}
     for m in METRICS:
@@ -472,10 +496,18 @@ def run(
                                 )
                                 name = f"{dtype} c={c} round {r + 1} {arm}"
                                 warn_steal(arms[arm]["host_cpu"], name)
+                                warn_client_lag(arms[arm]["client"], name)
                             per_round.append(arms)
                         levels.append(combine(c, per_round))
+                    # None: the kernel does not schedule by autogroup (see `client`).
+                    nices = {"spur": spur.autogroup_nice, "llama_cpp": peer.autogroup_nice}
             result["pairings"].append(
-                {"spur_dtype": dtype, "llama_cpp_weights": GGUF_TYPES[dtype], "levels": levels}
+                {
+                    "spur_dtype": dtype,
+                    "llama_cpp_weights": GGUF_TYPES[dtype],
+                    "server_autogroup_nice": nices,
+                    "levels": levels,
+                }
             )
     result["goals"] = goals(result)
     return result

@@ -33,7 +33,7 @@ import time
 import urllib.request
 from typing import Any
 
-from spur.cluster.bench.cpu import cpu_times, host_share, warn_steal
+from spur.cluster.bench.cpu import ClientLag, cpu_times, host_share, warn_client_lag, warn_steal
 
 TEXT = (
     "the river starts high in the mountains where snow melts each spring and runs down "
@@ -135,7 +135,8 @@ async def _http_level(
 
         ticks = cpu_times()
         start = time.perf_counter()
-        results = await asyncio.gather(*(run(p, m) for p, m in work))
+        async with ClientLag() as lag:
+            results = await asyncio.gather(*(run(p, m) for p, m in work))
         elapsed = time.perf_counter() - start
         host = host_share(ticks, cpu_times())
     ok = [r for r in results if "error" not in r]
@@ -154,6 +155,7 @@ async def _http_level(
         "itl_ms_p50": percentile_ms(itl, 50),
         "itl_ms_p99": percentile_ms(itl, 99),
         "host_cpu": host,
+        "client": lag.summary(),  # how late this client woke (cpu.ClientLag)
     }
 
 
@@ -253,6 +255,7 @@ def _level(
                 for _ in work if advance else ():
                     advance()  # the offline engine reports at the end of its batch
             warn_steal(arms[arm]["host_cpu"], f"c={concurrency} round {r + 1} {label}")
+            warn_client_lag(arms[arm].get("client"), f"c={concurrency} round {r + 1} {label}")
         pairs.append({**arms, "serve_over_offline": _ratio(arms["serve"], arms["offline"])})
     ratios = [p["serve_over_offline"] for p in pairs]
     known = [x for x in ratios if x is not None]

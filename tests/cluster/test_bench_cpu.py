@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,63 @@ def test_an_arm_the_hypervisor_took_cpu_from_is_named_on_stderr(
         bench_cpu.warn_steal({"busy_pct": 99.0, "steal_pct": 7.5}, "fp32 c=16 round 2 spur")
     assert len(caplog.records) == 1
     assert "7.5% of the CPUs during the fp32 c=16 round 2 spur arm" in caplog.messages[0]
+
+
+def test_client_lag_sees_a_loop_kept_from_running() -> None:
+    """A loop blocked for 0.2 s (as when its thread waits for a CPU) wakes its
+    watcher that much late; the summary reads it, and nothing when no sample."""
+    import asyncio
+    import time
+
+    async def arm() -> bench_cpu.ClientLag:
+        async with bench_cpu.ClientLag(interval_s=0.005) as lag:
+            await asyncio.sleep(0.03)
+            time.sleep(0.2)  # the loop's thread is busy: no timer can fire
+            await asyncio.sleep(0.03)
+        return lag
+
+    summary = asyncio.run(arm()).summary()
+    assert summary["loop_lag_ms_max"] is not None and summary["loop_lag_ms_max"] >= 150.0
+    assert summary["loop_lag_ms_p99"] is not None
+    assert summary["loop_lag_ms_p99"] <= summary["loop_lag_ms_max"]
+    if os.path.exists("/proc/self/schedstat"):  # Linux: the run-queue wait is read
+        assert summary["cpu_wait_s"] is not None and summary["cpu_wait_s"] >= 0.0
+    empty = bench_cpu.ClientLag().summary()
+    assert empty == {"loop_lag_ms_p99": None, "loop_lag_ms_max": None, "cpu_wait_s": None}
+
+
+def test_favour_client_lowers_the_server_session_not_the_bench() -> None:
+    """A process the bench started in its own session gets autogroup nice 10; the
+    bench's own autogroup keeps its nice."""
+    import subprocess
+
+    mine = Path("/proc/self/autogroup")
+    if not mine.exists():
+        pytest.skip("this kernel has no session autogroups")
+    before = mine.read_text()
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        nice = bench_cpu.favour_client(proc.pid)
+        theirs = Path(f"/proc/{proc.pid}/autogroup").read_text()
+        if bench_cpu.autogroups_enabled():
+            assert nice == bench_cpu.SERVER_AUTOGROUP_NICE
+            assert theirs.split()[-2:] == ["nice", str(bench_cpu.SERVER_AUTOGROUP_NICE)]
+        else:
+            assert nice is None  # nothing to gain: left as it was
+        assert mine.read_text() == before
+    finally:
+        proc.kill()
+        proc.wait()
+    assert bench_cpu.favour_client(proc.pid) is None  # gone: nothing to change
+
+
+def test_an_arm_whose_client_waited_is_named_on_stderr(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger=bench_cpu.__name__):
+        bench_cpu.warn_client_lag({"loop_lag_ms_max": 12.0, "cpu_wait_s": 0.01}, "quiet")
+        bench_cpu.warn_client_lag(None, "unread")
+        bench_cpu.warn_client_lag({"loop_lag_ms_max": 393.0, "cpu_wait_s": 1.2}, "bf16 c=16 spur")
+    assert len(caplog.records) == 1
+    assert "up to 393 ms late during the bf16 c=16 spur arm" in caplog.messages[0]
+    assert "waited 1.20 s for a CPU" in caplog.messages[0]

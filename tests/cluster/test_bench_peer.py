@@ -56,6 +56,10 @@ def test_combine_takes_medians_and_per_round_ratios() -> None:
     rounds[1]["spur"]["host_cpu"] = {"busy_pct": 99.0, "steal_pct": 4.5}
     rounds[2]["spur"]["host_cpu"] = {"busy_pct": 98.0, "steal_pct": 0.5}
     assert peer.combine(16, rounds)["spur"]["steal_pct_max"] == 4.5
+    assert level["spur"]["client_lag_ms_max"] is None  # nor the client's loop
+    rounds[0]["spur"]["client"] = {"loop_lag_ms_p99": 3.0, "loop_lag_ms_max": 390.5}
+    rounds[2]["spur"]["client"] = {"loop_lag_ms_p99": 1.0, "loop_lag_ms_max": 20.0}
+    assert peer.combine(16, rounds)["spur"]["client_lag_ms_max"] == 390.5
     # A round that lacks a figure gives no ratio and is left out of the median.
     rounds[0]["spur"]["itl_ms_p50"] = None
     assert peer.combine(16, rounds)["spur_over_llama_cpp"]["itl_ms_p50"]["rounds"][0] is None

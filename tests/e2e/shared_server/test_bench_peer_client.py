@@ -1,6 +1,7 @@
 """The peer bench's HTTP client (`bench serve --peer llama-cpp`) against a real
 `spur serve`: streamed chat completions counted from the usage chunk, TTFT and ITL
-measured, the workload sent at the asked concurrency, the host's CPU read around it.
+measured, the workload sent at the asked concurrency, the host's CPU and the client's
+own wake-up lag read around it.
 The llama.cpp side of the same client runs in tests/cluster/test_bench_peer.py
 (opt-in: it builds llama.cpp)."""
 
@@ -32,3 +33,7 @@ def test_peer_arm_against_spur_serve(spur_server: Any) -> None:
     # The machine worked while the server generated (the server, this client).
     host = summary["host_cpu"]
     assert 0 < host["busy_pct"] <= 100 and 0 <= host["steal_pct"] <= host["busy_pct"]
+    # How late the client's own loop woke meanwhile (cpu.ClientLag), read on Linux.
+    lag = summary["client"]
+    assert lag["loop_lag_ms_max"] is not None and lag["cpu_wait_s"] is not None, lag
+    assert 0 <= lag["loop_lag_ms_p99"] <= lag["loop_lag_ms_max"]

@@ -135,6 +135,9 @@ def test_bench_serve_pairs_both_arms_in_alternating_rounds(
         assert r["serve"]["generated_tokens"] == r["offline"]["generated_tokens"] > 0
         for arm in ("serve", "offline"):  # the machine worked during each arm
             assert 0 < r[arm]["host_cpu"]["busy_pct"] <= 100, r[arm]["host_cpu"]
+        lag = r["serve"]["client"]  # the HTTP arm watched its own event loop
+        assert lag["loop_lag_ms_max"] is not None and lag["cpu_wait_s"] is not None, lag
+        assert 0 <= lag["loop_lag_ms_p99"] <= lag["loop_lag_ms_max"]
         expected = round(r["serve"]["tokens_per_s"] / r["offline"]["tokens_per_s"], 3)
         assert r["serve_over_offline"] == expected
     assert level["round_ratios"] == [r["serve_over_offline"] for r in level["rounds"]]
