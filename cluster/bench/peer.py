@@ -280,7 +280,15 @@ def llama_server(
 async def _one(
     client: Any, url: str, messages: list[dict[str, str]], max_tokens: int, model: str = MODEL
 ) -> dict[str, Any]:
-    """One streamed chat completion: TTFT, the gaps between content chunks, tokens."""
+    """One streamed chat completion: TTFT, the gaps between content chunks, tokens.
+
+    A connection the server closes before any response (a kept-alive connection it
+    had closed as the request went out: llama-server's HTTP library closes after a
+    few requests or seconds idle) is retried once on a new connection and counted
+    in `retried`; the TTFT still counts from the first attempt. Anything else, and a
+    second such close, is the request's `error`."""
+    import httpx
+
     body = {
         "model": model,
         "messages": messages,
@@ -294,27 +302,36 @@ async def _one(
     first = None
     stamps: list[float] = []
     tokens = None
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                return {"error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return {"error": str(chunk["error"])[:200]}
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        first = first or now
-                        stamps.append(now)
-                        break
-    except Exception as exc:  # counted, not raised: the bench reports errors
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    retried = 0
+    while True:
+        answered = False
+        try:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+                answered = True
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return {"error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return {"error": str(chunk["error"])[:200]}
+                    now = time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices") or ():
+                        if (choice.get("delta") or {}).get("content"):
+                            first = first or now
+                            stamps.append(now)
+                            break
+            break
+        except httpx.RemoteProtocolError as exc:
+            if answered or retried:
+                return {"error": f"{type(exc).__name__}: {exc}", "retried": retried}
+            retried += 1  # closed before any response: the request never ran
+        except Exception as exc:  # counted, not raised: the bench reports errors
+            return {"error": f"{type(exc).__name__}: {exc}", "retried": retried}
     end = time.perf_counter()
     itl = [b - a for a, b in itertools.pairwise(stamps)]
     return {
@@ -322,6 +339,7 @@ async def _one(
         "itl": itl,
         "tokens": tokens if tokens is not None else len(stamps),
         "usage": tokens is not None,
+        "retried": retried,
     }
 
 
@@ -367,6 +385,8 @@ def summarize(results: list[dict[str, Any]], elapsed: float, concurrency: int) -
         "requests": len(results),
         "errors": len(results) - len(ok),
         "error_samples": [r["error"] for r in results if "error" in r][:3],
+        # Requests sent again after the server closed their connection unanswered.
+        "retried": sum(r.get("retried", 0) for r in results),
         "generated_tokens": tokens,
         "tokens_from_usage": all(r.get("usage") for r in ok),
         "elapsed_s": round(elapsed, 3),
@@ -396,6 +416,7 @@ def combine(concurrency: int, rounds: list[dict[str, dict[str, Any]]]) -> dict[s
         lag_known = [v for v in lag if v is not None]
         level[arm] = {m: _median([r[arm][m] for r in rounds]) for m in METRICS} | {
             "errors": sum(r[arm]["errors"] for r in rounds),
+            "retried": sum(r[arm].get("retried", 0) for r in rounds),
             "steal_pct_max": max(known) if known else None,
             "client_lag_ms_max": max(lag_known) if lag_known else None,
         }

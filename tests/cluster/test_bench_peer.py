@@ -10,6 +10,7 @@ tests/e2e/shared_server/test_bench_peer_client.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -94,6 +95,65 @@ def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
     assert s["tokens_per_s"] == 10.0 and s["tokens_from_usage"] is False
     assert s["ttft_ms_p50"] in (100.0, 300.0) and s["itl_ms_p99"] == 30.0
     assert s["error_samples"] == ["HTTP 503: busy"]
+    assert s["retried"] == 0
+    results[0]["retried"] = 1
+    assert peer.summarize(results, elapsed=0.5, concurrency=2)["retried"] == 1
+
+
+async def _closing_server(close_first: int) -> tuple[asyncio.Server, str, list[int]]:
+    """A real HTTP/1.1 server on a free port: its first `close_first` connections are
+    closed once their request is read, without a response (a kept-alive connection
+    the server had closed); later ones stream two content chunks and the usage."""
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        seen.append(len(seen))
+        if len(seen) <= close_first:
+            writer.close()
+            return
+        events = [
+            {"choices": [{"delta": {"content": "a"}}]},
+            {"choices": [{"delta": {"content": "b"}}]},
+            {"choices": [], "usage": {"completion_tokens": 2}},
+        ]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+            + f"content-length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize("close_first", [0, 1, 2])
+def test_a_connection_closed_unanswered_is_retried_once(close_first: int) -> None:
+    import httpx
+
+    async def one() -> tuple[dict[str, object], list[int]]:
+        server, url, seen = await _closing_server(close_first)
+        async with server, httpx.AsyncClient(timeout=10) as client:
+            messages = [{"role": "user", "content": "hi"}]
+            return await peer._one(client, url, messages, 2), seen
+
+    result, seen = asyncio.run(one())
+    if close_first < 2:  # answered on the first or the second connection
+        assert "error" not in result, result
+        assert result["tokens"] == 2 and result["retried"] == close_first
+        assert len(seen) == close_first + 1
+    else:  # a second close is the request's error: no third try
+        assert result["retried"] == 1 and len(seen) == 2
+        assert "RemoteProtocolError" in str(result["error"])
 
 
 def test_llama_server_command_line() -> None:
