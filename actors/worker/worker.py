@@ -23,6 +23,7 @@ from spur.actors.worker.compute_dtype import cpu_flags, native_dtypes, pick_comp
 from spur.actors.worker.layers.linear import pack_linears
 from spur.actors.worker.loader import load_model
 from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
+from spur.configs import cpu
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +207,11 @@ class Worker:
         flags = cpu_flags() if self.device.type == "cpu" else set()
         chosen = pick_compute_dtype(name, self.config.compute_dtype, self.device.type, flags)
         if self.device.type == "cpu":
+            here = cpu.here()
             logger.info(
-                "CPU computes natively: %s; model.dtype %s, compute_dtype %s -> %s",
+                "CPU %s (%s) computes natively: %s; model.dtype %s, compute_dtype %s -> %s",
+                cpu.describe(here),
+                cpu.uarch(here) or f"family {here.family}, model {here.model_number}",
                 ", ".join(native_dtypes(flags)),
                 name,
                 self.config.compute_dtype,

@@ -72,15 +72,25 @@ def test_schema_field_reaches_the_engine_args():
     assert engine_args(cfg)["compute_dtype"] == "float32"
 
 
-def test_setting_reaches_the_runner(tiny_model_dir):
+def test_setting_reaches_the_runner(tiny_model_dir, caplog):
     """A bf16 model computed in float32: fp32 weights holding exactly the bf16 values,
-    a bf16 KV cache, the choice reported in ModelInfo, and generation works."""
+    a bf16 KV cache, the choice reported in ModelInfo, and generation works. The start
+    log names the CPU (model and micro-architecture) and the choice."""
+    import logging
+
     from spur.actors.llm import LLM
     from spur.actors.step import SamplingParams
+    from spur.configs import cpu
 
     path = str(tiny_model_dir("llama"))
-    llm = LLM(path, dtype="bfloat16", compute_dtype="float32", block_size=4, num_kv_blocks=64)
+    with caplog.at_level(logging.INFO, logger="spur.actors.worker.worker"):
+        llm = LLM(path, dtype="bfloat16", compute_dtype="float32", block_size=4, num_kv_blocks=64)
     try:
+        here = cpu.here()
+        line = next(r.getMessage() for r in caplog.records if "computes natively" in r.getMessage())
+        assert line.startswith(f"CPU {cpu.describe(here)} (")
+        assert (cpu.uarch(here) or f"family {here.family}") in line
+        assert line.endswith("model.dtype bfloat16, compute_dtype float32 -> float32")
         runner = llm.executor.worker.runner
         weights = [p for p in runner.model.parameters()]
         assert all(p.dtype == torch.float32 for p in weights)
