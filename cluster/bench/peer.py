@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import random
@@ -71,7 +70,7 @@ from spur.cluster.bench.cpu import (
     warn_steal,
 )
 from spur.cluster.bench.progress import progress_bars
-from spur.cluster.bench.serve import WORDS, percentile_ms
+from spur.cluster.bench.serve import WORDS, percentile_ms, sse_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -311,10 +310,7 @@ async def _one(
                 if resp.status_code != 200:
                     await resp.aread()
                     return {"error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_chunks(resp):
                     if "error" in chunk:
                         return {"error": str(chunk["error"])[:200]}
                     now = time.perf_counter()

@@ -31,6 +31,7 @@ import random
 import statistics
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 from spur.cluster.bench.cpu import ClientLag, cpu_times, host_share, warn_client_lag, warn_steal
@@ -74,6 +75,14 @@ def auth_headers(admin: bool = False) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
+async def sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed OpenAI response (an httpx response), in order;
+    lines other than `data: ...` and the closing `data: [DONE]` are skipped."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def _one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": model,
@@ -93,10 +102,7 @@ async def _one(client: Any, url: str, model: str, prompt: str, max_tokens: int) 
             if resp.status_code != 200:
                 await resp.aread()
                 return {"error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     return {"error": chunk["error"]["message"]}
                 now = time.perf_counter()
