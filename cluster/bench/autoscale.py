@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import signal
@@ -37,6 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
+from spur.cluster.bench.serve import sse_json
 from spur.cluster.fake_cluster import FakeCluster, NodeType, alive_nodes, session_processes
 
 logger = logging.getLogger(__name__)
@@ -237,9 +237,8 @@ class LoadDriver:
                     resp.read()
                     return Outcome(phase, False, None, 0, f"{resp.status_code} {resp.text[:200]}")
                 for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if (chunk := sse_json(line)) is None:
                         continue
-                    chunk = json.loads(line[6:])
                     if "error" in chunk:
                         return Outcome(phase, False, ttft, tokens, str(chunk["error"])[:200])
                     if any(c.get("text") for c in chunk.get("choices", ())):

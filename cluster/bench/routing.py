@@ -33,7 +33,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from spur.actors.ports import free_port
-from spur.cluster.bench.serve import percentile_ms
+from spur.cluster.bench.serve import percentile_ms, sse_chunks
 from spur.cluster.bench.workload import (
     UserScript,
     WorkloadSpec,
@@ -142,10 +142,7 @@ async def _turn(client: Any, url: str, prompt: list[int], max_tokens: int) -> di
         if resp.status_code != 200:
             await resp.aread()
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             if chunk.get("usage"):

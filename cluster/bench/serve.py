@@ -75,12 +75,19 @@ def auth_headers(admin: bool = False) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
+def sse_json(line: str) -> dict[str, Any] | None:
+    """The JSON chunk on one line of a streamed OpenAI response; None for any other line
+    and for the closing `data: [DONE]`."""
+    if line.startswith("data: ") and line != "data: [DONE]":
+        return json.loads(line[6:])
+    return None
+
+
 async def sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of a streamed OpenAI response (an httpx response), in order;
-    lines other than `data: ...` and the closing `data: [DONE]` are skipped."""
+    """The JSON chunks of a streamed OpenAI response (an httpx response), in order."""
     async for line in resp.aiter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[6:])
+        if (chunk := sse_json(line)) is not None:
+            yield chunk
 
 
 async def _one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
