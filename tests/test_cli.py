@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ def test_bench_core_prints_json_with_every_figure():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["bench"] == "core" and out["trace"]["requests"] == 128
+    assert out["cpu"]["cores"] == os.cpu_count() and out["cpu"]["model"]  # which CPU ran it
     ops = out["manager"]["us_per_op"]
     assert set(ops) == {
         "hash_prompt",

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
+from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.serve import sse_json
 from spur.cluster.fake_cluster import FakeCluster, NodeType, alive_nodes, session_processes
 
@@ -399,6 +400,7 @@ def run(
         )
         return {
             "model": model,
+            "cpu": cpu_info(),
             "load": {"low": low, "high": high, "max_tokens": max_tokens},
             "cold_start_s": round(cold_start_s, 1),
             "upscale_delay_s": upscale_delay_s,

@@ -33,6 +33,7 @@ from spur.actors.engine.core.kv_cache_manager import KVCacheConfig, KVCacheManag
 from spur.actors.engine.core.request import Request
 from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 from spur.actors.step import SamplingParams
+from spur.cluster.bench.cpu import cpu_info
 
 VLLM_REFERENCE_RPS = 1400.0
 
@@ -202,6 +203,7 @@ def run(
     hashing = run_hash_arms(prompts, block_size)
     return {
         "bench": "core",
+        "cpu": cpu_info(),
         "trace": {
             "requests": num_requests,
             "prompt_tokens": prompt_len,

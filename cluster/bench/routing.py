@@ -33,6 +33,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from spur.actors.ports import free_port
+from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.serve import percentile_ms, sse_chunks
 from spur.cluster.bench.workload import (
     UserScript,
@@ -322,6 +323,7 @@ def run(
     return {
         "bench": "routing",
         "model": model,
+        "cpu": cpu_info(),
         "replicas": replicas,
         "blocks_per_replica": blocks,
         "workload": {**asdict(spec), **shape},

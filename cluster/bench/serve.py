@@ -30,11 +30,19 @@ import json
 import random
 import statistics
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
-from spur.cluster.bench.cpu import ClientLag, cpu_times, host_share, warn_client_lag, warn_steal
+from spur.cluster.bench.cpu import (
+    ClientLag,
+    cpu_info,
+    cpu_times,
+    host_share,
+    warn_client_lag,
+    warn_steal,
+)
 
 TEXT = (
     "the river starts high in the mountains where snow melts each spring and runs down "
@@ -282,6 +290,12 @@ def _level(
     return level
 
 
+def _is_local(url: str) -> bool:
+    """True when `url`'s host is this machine's loopback name or address."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def run(
     *,
     url: str,
@@ -327,6 +341,9 @@ def run(
         "seed": seed,
         "rounds": rounds,
         "baseline_url": baseline_url,
+        # The bench's own host; it is the servers' too when their URLs are local.
+        "cpu": cpu_info(),
+        "servers_on_this_host": all(_is_local(u) for u in (url, baseline_url) if u),
         "levels": levels,
     }
     at32 = [lv["serve_over_offline"] for lv in levels if lv["serve"]["concurrency"] == 32]

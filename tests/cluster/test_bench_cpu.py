@@ -157,3 +157,12 @@ def test_an_arm_whose_client_waited_is_named_on_stderr(
     assert len(caplog.records) == 1
     assert "up to 393 ms late during the bf16 c=16 spur arm" in caplog.messages[0]
     assert "waited 1.20 s for a CPU" in caplog.messages[0]
+
+
+def test_serve_bench_knows_a_local_server_from_a_remote_one():
+    from spur.cluster.bench.serve import _is_local
+
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000/", "http://[::1]:8000"):
+        assert _is_local(url), url
+    for url in ("http://10.0.0.5:8000", "https://spur.example.com", "http://128.0.0.1"):
+        assert not _is_local(url), url

@@ -49,6 +49,7 @@ def test_bench_routing_quick_prints_only_json(tmp_path: Path) -> None:
     assert not leftovers, leftovers
     arms = {a["arm"]: a for a in out["arms"]}
     assert set(arms) == {"round_robin", "prefix"}
+    assert out["cpu"]["model"] and "avx2" in out["cpu"], out["cpu"]  # which CPU ran it
     for a in arms.values():
         assert a["requests"] == out["workload"]["requests"] == 8
         assert a["tokens_per_s"] > 0 and a["ttft_ms_p50"] is not None

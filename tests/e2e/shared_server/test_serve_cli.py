@@ -127,6 +127,8 @@ def test_bench_serve_pairs_both_arms_in_alternating_rounds(
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
     assert "c=2 round 2" in res.stderr
     assert out["rounds"] == 2 and len(out["levels"]) == 1
+    # The CPU that ran both arms, and that the server ran on it too.
+    assert out["cpu"]["model"] and out["servers_on_this_host"] is True, out["cpu"]
     level = out["levels"][0]
     assert len(level["rounds"]) == 2
     for r in level["rounds"]:
