@@ -229,12 +229,20 @@ class EngineReplica:
             await asyncio.sleep(events_period)
             batches = engine.take_kv_batches()
             now = time.monotonic()
-            if not batches and now - last < stats_period and now - last_metrics < metrics_period:
+            send, with_metrics = _publish_due(
+                now,
+                bool(batches),
+                last,
+                stats_period,
+                None if engine.metrics is None else last_metrics,
+                metrics_period,
+            )
+            if not send:
                 continue
             if self.draining_since is not None:
                 return  # left the index: nothing more to tell it
             snapshot = None
-            if engine.metrics is not None and now - last_metrics >= metrics_period:
+            if with_metrics and engine.metrics is not None:
                 snapshot = engine.metrics.snapshot()
             try:
                 answer = await self.index.publish.remote(
@@ -374,6 +382,26 @@ class EngineReplica:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # already gone at interpreter exit
             self.built.shutdown()
+
+
+def _publish_due(
+    now: float,
+    has_batches: bool,
+    last_publish: float,
+    stats_period: float,
+    last_metrics: float | None,
+    metrics_period: float,
+) -> tuple[bool, bool]:
+    """(send a publish now, with a metrics snapshot) for the replica's publish loop.
+
+    A publish goes out when there are KV event batches, when the last one is
+    `stats_period` old (the heartbeat), or when metrics are on (`last_metrics` not
+    None: the time of the last snapshot sent) and the last snapshot is
+    `metrics_period` old. With metrics off an idle replica sends only its heartbeat;
+    times are `time.monotonic()` seconds."""
+    metrics_due = last_metrics is not None and now - last_metrics >= metrics_period
+    send = has_batches or now - last_publish >= stats_period or metrics_due
+    return send, metrics_due
 
 
 def _serve_shutting_down() -> bool:
