@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
+from spur.actors.ports import free_port
 from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.serve import sse_json
 from spur.cluster.fake_cluster import FakeCluster, NodeType, alive_nodes, session_processes
@@ -350,12 +351,10 @@ def run(
     load = watcher = None
     try:
         address = cluster.start()
-        from spur.cluster.fake_cluster import _free_port
-
         config = autoscale_config(
             model,
             address=address,
-            port=_free_port(),
+            port=free_port(),
             upscale_delay_s=upscale_delay_s,
             downscale_delay_s=downscale_delay_s,
         )
