@@ -35,6 +35,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
+from spur.cluster.auth import is_loopback
 from spur.cluster.bench.cpu import (
     ClientLag,
     cpu_info,
@@ -292,8 +293,7 @@ def _level(
 
 def _is_local(url: str) -> bool:
     """True when `url`'s host is this machine's loopback name or address."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return is_loopback(urllib.parse.urlsplit(url).hostname or "")
 
 
 def run(
