@@ -18,6 +18,9 @@ from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
 from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 from spur.actors.engine.core.spec_decode import SpeculativeConfig
 from spur.actors.engine.shell.metrics import break_retirement
+from spur.actors.generation_config import SamplingDefaults, describe, read_file
+from spur.actors.generation_config import check as check_sampling_defaults
+from spur.actors.generation_config import sampling_defaults as make_sampling_defaults
 from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
@@ -48,6 +51,9 @@ class EngineArgs:
     tokenizer: str | None
     compute_dtype: str
     """What the matmuls run in: "auto" (resolved per device: actors/worker/compute_dtype.py)."""
+    generation_config: str
+    """Requests' sampling defaults: "auto" (the model's file) or "vllm" (none)."""
+    override_generation_config: dict[str, Any]
     # cache
     block_size: int
     num_kv_blocks: int | None
@@ -177,6 +183,23 @@ class EngineArgs:
             compute_dtype=self.compute_dtype,
         )
 
+    def sampling_defaults(self, model_dir: str) -> SamplingDefaults:
+        """What requests that leave sampling fields out get: the model folder's
+        generation_config.json under "auto", then the overrides. Raises ValueError
+        (naming the file or the setting, and the fix) for an unreadable file or a value
+        out of range."""
+        mode = self.generation_config
+        file_cfg = read_file(model_dir) if mode == "auto" else {}
+        defaults = make_sampling_defaults(file_cfg, mode, self.override_generation_config)
+        source = (
+            f"{Path(model_dir) / 'generation_config.json'} and "
+            "engine.model.override_generation_config"
+            if mode == "auto"
+            else "engine.model.override_generation_config"
+        )
+        check_sampling_defaults(defaults, source)
+        return defaults
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -188,6 +211,9 @@ class Engine:
     executor: Executor
     info: ModelInfo
     args: EngineArgs
+    sampling_defaults: SamplingDefaults
+    """Requests' sampling defaults (actors/generation_config.py): the LLM's
+    `get_default_sampling_params`, and the ingress reads them from the replica's stats."""
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -215,6 +241,7 @@ def build_engine(
                 f"the KV budget holds {num_blocks} blocks of {info.kv_bytes_per_block:,} bytes: "
                 "give kv_cache_bytes more memory or lower block_size"
             )
+        sampling_defaults = args.sampling_defaults(info.model_dir)
         executor.collective_rpc("initialize_cache", (num_blocks,))
         groups = cache_groups(info)
         kv_config = KVCacheConfig(
@@ -250,7 +277,14 @@ def build_engine(
         args.block_size,
         max_model_len,
     )
-    return Engine(EngineCore(scheduler, executor), scheduler, executor, info, args)
+    logger.info(
+        "sampling defaults (engine.model.generation_config %s): %s",
+        args.generation_config,
+        describe(sampling_defaults),
+    )
+    return Engine(
+        EngineCore(scheduler, executor), scheduler, executor, info, args, sampling_defaults
+    )
 
 
 def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:

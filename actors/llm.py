@@ -53,6 +53,7 @@ class LLM:
         self.scheduler = built.scheduler
         self.executor = built.executor
         self.info = built.info
+        self.sampling_defaults = built.sampling_defaults
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self.last_run_stats: dict[str, Any] = {}
@@ -85,6 +86,14 @@ class LLM:
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
 
     # -- generation ---------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params of `generate` / `stream` without any: the model's recommended
+        sampling defaults (`engine.model.generation_config`, as vLLM's LLM), else
+        SamplingParams()."""
+        defaults = self.sampling_defaults
+        max_tokens = defaults.max_tokens(None, SamplingParams.max_tokens)
+        return SamplingParams(**defaults.fill({}), max_tokens=max_tokens)
+
     def _add(self, prompt: Prompt, params: SamplingParams, processor: OutputProcessor) -> str:
         rid = str(next(self._ids))
         token_ids = self.encode(prompt)
@@ -138,7 +147,7 @@ class LLM:
         )
         batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(batch)
             if isinstance(sampling_params, SamplingParams)
@@ -164,7 +173,7 @@ class LLM:
     ) -> Iterator[Delta]:
         """Yield text deltas of one prompt as they are produced (for the CLI)."""
         processor = OutputProcessor(self.tokenizer)
-        self._add(prompt, sampling_params or SamplingParams(), processor)
+        self._add(prompt, sampling_params or self.get_default_sampling_params(), processor)
         for deltas in self._run(processor):
             yield from deltas
 

@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from spur.actors.generation_config import SamplingDefaults
 from spur.actors.step import SamplingParams, SamplingParamsError
 from spur.cluster.errors import (
     FieldError,
@@ -229,8 +230,8 @@ class _Request(_TopLevel):
     def num_choices(self) -> int:
         return self.n if self.n is not None else 1
 
-    def _max_tokens(self, default_max_tokens: int) -> tuple[int, str]:
-        """(value, OpenAI field name it came from)."""
+    def _max_tokens(self) -> tuple[int | None, str]:
+        """(the request's own max tokens or None, the OpenAI field name it is under)."""
         raise NotImplementedError
 
     def _logprobs(self) -> int | None:
@@ -241,15 +242,22 @@ class _Request(_TopLevel):
         """How many top alternatives to return per token; None = no logprobs."""
         return self._logprobs()
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, defaults: SamplingDefaults | None = None
+    ) -> SamplingParams:
         """Every sampling field mapped onto a new SamplingParams (pure).
 
         `default_max_tokens` applies when the request sets no max tokens (the
         ingress passes max_model_len minus the prompt's length, or a config
-        default). Raises ProtocolError (400) naming the request's field when a
-        value is out of range.
+        default). `defaults`: the lane's sampling defaults (the model's
+        generation_config, `actors/generation_config.py`): they fill the fields the
+        request leaves out, their max_tokens replaces `default_max_tokens`, and an
+        override's cap bounds max_tokens. Raises ProtocolError (400) naming the
+        request's field when a value is out of range.
         """
-        max_tokens, max_name = self._max_tokens(default_max_tokens)
+        defaults = defaults or SamplingDefaults()
+        requested, max_name = self._max_tokens()
+        max_tokens = defaults.max_tokens(requested, default_max_tokens)
         kwargs: dict[str, Any] = {"n": self.num_choices, "max_tokens": max_tokens}
         for name in (
             "temperature",
@@ -274,6 +282,7 @@ class _Request(_TopLevel):
         kwargs["logprobs"] = self._logprobs()
         extra = {k: getattr(self, k) for k in ("user", "priority", "cache_salt")}
         kwargs["extra"] = {k: v for k, v in extra.items() if v is not None}
+        kwargs = defaults.fill(kwargs)
         try:
             return SamplingParams(**kwargs)
         except SamplingParamsError as exc:
@@ -362,9 +371,8 @@ class CompletionRequest(_Request):
                 out.append(x if isinstance(x, str) else list(x))
         return out
 
-    def _max_tokens(self, default_max_tokens: int) -> tuple[int, str]:
-        value = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        return value, "max_tokens"
+    def _max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
 
     def _logprobs(self) -> int | None:
         return self.logprobs
@@ -421,12 +429,12 @@ class ChatCompletionRequest(_Request):
             for m in self.messages
         ]
 
-    def _max_tokens(self, default_max_tokens: int) -> tuple[int, str]:
+    def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         if self.max_tokens is not None:
             return self.max_tokens, "max_tokens"
-        return default_max_tokens, "max_completion_tokens"
+        return None, "max_completion_tokens"
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

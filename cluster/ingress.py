@@ -34,6 +34,7 @@ from spur.actors.engine.core.hashing import tenant_salt
 from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
 from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
 from spur.actors.engine.shell.output_processor import Delta
+from spur.actors.generation_config import SamplingDefaults
 from spur.actors.step import Logprobs
 from spur.cluster import api_requests as rq
 from spur.cluster import api_responses as rs
@@ -312,6 +313,7 @@ class Ingress:
         own = stats or spare_stats
         assert own is not None
         lane.max_model_len = int(own["max_model_len"])
+        lane.sampling_defaults = SamplingDefaults.from_dict(own.get("sampling_defaults"))
         # The engine's tokenizer (engine.model.tokenizer, else its model folder).
         tok_dir = own.get("tokenizer_dir") or own["model_dir"]
         async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
@@ -493,7 +495,7 @@ class Ingress:
             await self._off_loop(self._encode, lane, p) if isinstance(p, str) else list(p)
             for p in texts
         ]
-        params = req.to_sampling_params(default_max_tokens=16)
+        params = req.to_sampling_params(default_max_tokens=16, defaults=lane.sampling_defaults)
         session = self._session(request, model)
         return await self._serve(
             req, model, lane, prompts, params, chat=False, session=session, request=request
@@ -504,7 +506,10 @@ class Ingress:
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
         ids = await self._chat_ids(lane, req)
-        params = req.to_sampling_params(default_max_tokens=max(1, lane.max_model_len - len(ids)))
+        params = req.to_sampling_params(
+            default_max_tokens=max(1, lane.max_model_len - len(ids)),
+            defaults=lane.sampling_defaults,
+        )
         session = self._session(request, model)
         return await self._serve(
             req, model, lane, [ids], params, chat=True, session=session, request=request

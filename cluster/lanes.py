@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spur.actors.engine.core.hashing import BlockHasher
+from spur.actors.generation_config import SamplingDefaults
 from spur.cluster import metrics as M
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,8 @@ class LaneSelector:
 class Lane:
     """What the ingress knows of one lane's (or the spare's) engines: its Serve
     handle, how it hashes blocks, and (filled on first use by the ingress) its
-    tokenizer and max_model_len. `healthy` is written by `LaneMonitor`."""
+    tokenizer, max_model_len and requests' sampling defaults (the model's
+    generation_config). `healthy` is written by `LaneMonitor`."""
 
     def __init__(self, name: str, handle: Any, cache: dict[str, Any]) -> None:
         self.name = name
@@ -151,6 +153,7 @@ class Lane:
         self.caching = bool(cache.get("enable_prefix_caching", True))
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.sampling_defaults = SamplingDefaults()
         self.lock = asyncio.Lock()
         self.healthy = -1  # replicas the index holds healthy (-1: not polled yet)
 

@@ -187,6 +187,12 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------------------
 
 
+GenerationKey = Literal[
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"
+]
+"""The generation_config.json keys that are sampling defaults (actors/generation_config.py)."""
+
+
 class ModelConfig(_Section):
     """The weights an engine serves."""
 
@@ -208,6 +214,19 @@ class ModelConfig(_Section):
     model's dtype where the device computes it natively (CUDA; a CPU with AVX-512 BF16 or
     AMX for bfloat16), else float32 (weights widened once at load, the KV cache kept in
     `dtype`). Explicit: `dtype` itself, or float32."""
+    generation_config: Literal["auto", "vllm"] = "auto"
+    """Where requests' sampling defaults come from, as vLLM's `--generation-config`.
+    "auto": the model folder's generation_config.json (its temperature, top_p, top_k,
+    min_p, repetition_penalty, and max_new_tokens as the default max_tokens), the values
+    the model's creator recommends; "vllm": ignore the file (temperature 1, no top-p,
+    top-k or min-p, no penalty). A request's own values always win. The engine logs the
+    defaults it uses at start."""
+    override_generation_config: dict[GenerationKey, int | float] = Field(default_factory=dict)
+    """Sampling defaults set over generation_config's (the same keys: temperature, top_p,
+    top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's
+    `--override-generation-config`. max_new_tokens here also caps every request's
+    max_tokens, explicit ones included. The engine checks the values at start (the ranges
+    of the request fields) and refuses to start on a bad one."""
 
 
 class CacheConfig(_Section):

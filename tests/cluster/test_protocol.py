@@ -453,6 +453,38 @@ def test_chat_fields_and_defaults() -> None:
     assert rq.CompletionRequest(prompt="x", max_tokens=None).to_sampling_params(50).max_tokens == 50
 
 
+def test_model_sampling_defaults_fill_what_the_request_leaves_out() -> None:
+    """A lane's sampling defaults (the model's generation_config, as vLLM applies them):
+    they fill omitted fields, a request's own values win, the model's max_new_tokens
+    replaces the server's fallback, and an override's cap bounds every request."""
+    from spur.actors.generation_config import SamplingDefaults
+
+    model = SamplingDefaults({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 7})
+    bare = rq.parse_request(rq.ChatCompletionRequest, chat_body())
+    p = bare.to_sampling_params(default_max_tokens=50, defaults=model)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.95, 20, 0.0, 7)
+    own = rq.parse_request(
+        rq.ChatCompletionRequest, chat_body(temperature=0, top_k=-1, max_completion_tokens=30)
+    )
+    p = own.to_sampling_params(default_max_tokens=50, defaults=model)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.0, 0.95, 0, 30)
+    # completions: OpenAI's default of 16 is the request's own; null takes the model's
+    assert rq.CompletionRequest(prompt="x").to_sampling_params(50, model).max_tokens == 16
+    null = rq.CompletionRequest(prompt="x", max_tokens=None)
+    assert null.to_sampling_params(50, model).max_tokens == 7
+    # an override's max_new_tokens caps explicit values too (vLLM's rule)
+    capped = SamplingDefaults({"max_tokens": 7}, max_tokens_cap=7)
+    assert own.to_sampling_params(50, capped).max_tokens == 7
+    assert rq.CompletionRequest(prompt="x").to_sampling_params(50, capped).max_tokens == 7
+    # a request's min_tokens above the capped max_tokens is the request's error, named
+    over = rq.parse_request(rq.ChatCompletionRequest, chat_body(min_tokens=9))
+    with pytest.raises(ProtocolError) as info:
+        over.to_sampling_params(50, capped)
+    assert info.value.param == "min_tokens" and "max_tokens=7" in info.value.message
+    # no defaults: what it was
+    assert bare.to_sampling_params(50).temperature == 1.0
+
+
 def test_prompt_shapes() -> None:
     def prompts(p: Any) -> list[Any]:
         return rq.parse_request(rq.CompletionRequest, {"prompt": p}).prompts()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import sys
 import types
 from collections.abc import Callable
@@ -70,10 +71,15 @@ def leaf_paths(model: type[BaseModel] = SpurConfig, prefix: str = "") -> list[st
 
 # -- a tiny model with a tokenizer of its own ---------------------------------------------
 
+GEN_DEFAULTS = {"temperature": 0.0, "top_k": 7, "max_new_tokens": 6}
+"""The tiny model's recommended sampling (its generation_config.json): the offline LLM
+takes them (generation_config auto, the default); the replica, under "vllm", does not."""
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
-    """A random 2-layer Llama (no tokenizer files) and, in another folder, a word-level
+    """A random 2-layer Llama (no tokenizer files) whose generation_config.json
+    recommends sampling defaults (GEN_DEFAULTS), and, in another folder, a word-level
     tokenizer of 64 tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -90,6 +96,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
         max_position_embeddings=256,
     )
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "model")
+    gen_file = root / "model" / "generation_config.json"
+    gen_file.write_text(json.dumps({**json.loads(gen_file.read_text()), **GEN_DEFAULTS}))
     vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(62)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -158,6 +166,18 @@ ENGINE: dict[str, tuple[Any, Check]] = {
         lambda b: (
             (_worker(b).config.compute_dtype, b.replica.built.info.compute_dtype),
             ("bfloat16", "bfloat16"),
+        ),
+    ),
+    # "vllm": the file's defaults (GEN_DEFAULTS) are ignored; only the override's are left
+    "engine.model.generation_config": (
+        "vllm",
+        lambda b: (b.replica.built.sampling_defaults.values.get("top_k"), None),
+    ),
+    "engine.model.override_generation_config": (
+        {"temperature": 0.5, "max_new_tokens": 9},
+        lambda b: (
+            b.replica.built.sampling_defaults.to_dict(),
+            {"values": {"temperature": 0.5, "max_tokens": 9}, "max_tokens_cap": 9},
         ),
     ),
     "engine.model.max_model_len": (96, lambda b: (_sched(b).config.max_model_len, 96)),
@@ -405,6 +425,26 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     lane = asyncio.run(ingress_lane())
     assert lane.tokenizer("w3 w4")["input_ids"] == [5, 6]
     assert lane.max_model_len == 96
+    # the replica's sampling defaults (generation_config vllm + the override) reach the lane
+    assert lane.sampling_defaults == built.replica.built.sampling_defaults
+    assert lane.sampling_defaults.max_tokens(None, 50) == 9
+
+
+def test_generation_config_reaches_llm_generate(built: Any) -> None:
+    """engine.model.generation_config auto (the default): `LLM.generate` without params
+    samples with the model's recommended defaults (GEN_DEFAULTS): greedy, top_k 7, 6
+    tokens, the same as those params passed explicitly."""
+    from spur.actors.step import SamplingParams
+
+    p = built.llm.get_default_sampling_params()
+    assert (p.temperature, p.top_k, p.max_tokens, p.top_p) == (0.0, 7, 6, 1.0)
+    (default,) = built.llm.generate(["w3 w4 w5"])
+    explicit = SamplingParams(temperature=0.0, top_k=7, max_tokens=6)
+    (same,) = built.llm.generate(["w3 w4 w5"], explicit)
+    assert default.outputs[0].token_ids == same.outputs[0].token_ids
+    assert 1 <= len(default.outputs[0].token_ids) <= 6
+    long = built.llm.generate(["w3 w4 w5"], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(long[0].outputs[0].token_ids) == 20  # a request's own params win
 
 
 # -- settings outside the engine ----------------------------------------------------------

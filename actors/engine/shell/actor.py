@@ -342,6 +342,7 @@ class EngineReplica:
             "max_model_len": self.built.scheduler.config.max_model_len,
             "model_dir": self.built.info.model_dir,
             "tokenizer_dir": self.args.tokenizer_dir(self.built.info.model_dir),
+            "sampling_defaults": self.built.sampling_defaults.to_dict(),
             **engine.stats(),
         }
 

@@ -26,7 +26,8 @@ from e2e.conftest import Launched, _tiny_engine, free_port, running
 
 
 def server_config(model_dir: Path, port: int) -> dict[str, Any]:
-    """The e2e config: three lanes of the tiny model and one of SmolLM2."""
+    """The e2e config: three lanes of the tiny model (tiny-tp2 with sampling defaults
+    of its own), one of SmolLM2 and one of the hybrid model."""
     return {
         "version": 1,
         "lanes": [
@@ -40,7 +41,11 @@ def server_config(model_dir: Path, port: int) -> dict[str, Any]:
             {
                 "name": "tiny-tp2",
                 "served_model_names": ["tiny-tp2"],
-                "engine": _tiny_engine(model_dir, tp=2),
+                # Sampling defaults of its own (test_served_models.py); the cap is above
+                # the 16 tokens that test_tp2_equals_tp1 asks for.
+                "engine": _with_overrides(
+                    _tiny_engine(model_dir, tp=2), {"temperature": 0, "max_new_tokens": 20}
+                ),
                 "max_ongoing_requests": 32,
                 "max_queued_requests": 64,
             },
@@ -73,6 +78,11 @@ def server_config(model_dir: Path, port: int) -> dict[str, Any]:
             "object_store_memory": "200MiB",
         },
     }
+
+
+def _with_overrides(engine: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`engine` with model.override_generation_config set to `overrides`."""
+    return {**engine, "model": {**engine["model"], "override_generation_config": overrides}}
 
 
 def hybrid_lane() -> dict[str, Any]:

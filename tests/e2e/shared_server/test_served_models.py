@@ -1,5 +1,6 @@
 """What the served models say: the Serve path equals the offline engine, TP=2
-(Ray worker actors on CPU) equals TP=1, and SmolLM2 knows the capital of France."""
+(Ray worker actors on CPU) equals TP=1, a lane's sampling defaults apply to the
+requests that leave them out, and SmolLM2 knows the capital of France."""
 
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def test_tp2_equals_tp1(openai_client: Any, spur_server: Any) -> None:
         tp1 = greedy(openai_client, "tiny", prompt).choices[0].text
         tp2 = greedy(openai_client, "tiny-tp2", prompt).choices[0].text
         assert tp2 == tp1, prompt
+
+
+def test_sampling_defaults_reach_the_served_lane(openai_client: Any, spur_server: Any) -> None:
+    """Lane tiny-tp2 sets engine.model.override_generation_config {temperature 0,
+    max_new_tokens 20}: a chat request that leaves temperature and max tokens out is
+    greedy and stops at 20 tokens, as lane tiny with both explicit; an explicit
+    max_tokens above the override's cap is cut to it."""
+    spur_server.require_lane("tiny-tp2")
+    messages = [{"role": "user", "content": "Count with me"}]
+    eos = {"ignore_eos": True}
+    implicit = openai_client.chat.completions.create(
+        model="tiny-tp2", messages=messages, extra_body=eos
+    )
+    explicit = openai_client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=20, extra_body=eos
+    )
+    assert implicit.usage.completion_tokens == 20
+    assert implicit.choices[0].finish_reason == "length"
+    assert implicit.choices[0].message.content == explicit.choices[0].message.content
+    capped = openai_client.chat.completions.create(
+        model="tiny-tp2", messages=messages, max_tokens=40, temperature=0, extra_body=eos
+    )
+    assert capped.usage.completion_tokens == 20
+    assert capped.choices[0].message.content == explicit.choices[0].message.content
 
 
 def test_smollm2_knows_paris(openai_client: Any) -> None:

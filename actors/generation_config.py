@@ -1,0 +1,157 @@
+"""Requests' sampling defaults from the model's `generation_config.json`, as vLLM applies them.
+
+A model's creator often recommends sampling settings (Qwen3: temperature 0.6, top_p
+0.95, top_k 20) in the folder's `generation_config.json`. vLLM (`--generation-config
+auto`, its default) uses six of its fields as the defaults of requests that leave them
+out; `--generation-config vllm` ignores the file. spur does the same:
+
+    engine.model.generation_config           "auto" (the file) | "vllm" (neutral defaults)
+    engine.model.override_generation_config  the same keys, set over the file's
+
+The fields: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (the
+default of max_tokens). Others (do_sample, eos_token_id, ...) are not sampling defaults
+and are ignored, as vLLM ignores them. A request's own value always wins, except that an
+override's max_new_tokens caps every request's max_tokens (vLLM's rule too). Values are
+checked where the engine is built (`check`), so a bad file stops the engine at start
+with its path, not each request.
+
+Pure: the standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spur.actors.step import SamplingParams, SamplingParamsError
+
+FILE_NAME = "generation_config.json"
+
+FIELDS: dict[str, str] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+"""generation_config.json key -> SamplingParams field."""
+
+MODES = ("auto", "vllm")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a lane's requests take when they leave a field out.
+
+    `values`: SamplingParams field -> value (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_tokens), only those the model or the override sets.
+    `max_tokens_cap`: the override's max_new_tokens, which bounds every request's
+    max_tokens, explicit ones included; None: no cap."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int | None = None
+
+    def fill(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`params` (SamplingParams keyword arguments, a request's own) with the
+        defaults added where the request left a field out (absent or None)."""
+        out = dict(params)
+        for name, value in self.values.items():
+            if name != "max_tokens" and out.get(name) is None:
+                out[name] = value
+        return out
+
+    def max_tokens(self, requested: int | None, fallback: int) -> int:
+        """A request's max_tokens: its own (`requested`), else the model's default,
+        else the server's `fallback`; then at most `max_tokens_cap`."""
+        value = requested if requested is not None else self.values.get("max_tokens", fallback)
+        if self.max_tokens_cap is not None:
+            value = min(value, self.max_tokens_cap)
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (the engine replica's stats); `from_dict` reads it back."""
+        return {"values": dict(self.values), "max_tokens_cap": self.max_tokens_cap}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> SamplingDefaults:
+        if not data:
+            return cls()
+        return cls(dict(data.get("values") or {}), data.get("max_tokens_cap"))
+
+
+def read_file(model_dir: str | Path) -> dict[str, Any]:
+    """The folder's generation_config.json as a dict; {} when there is none.
+
+    Raises:
+        ValueError: the file is not a JSON object (the message names the file and the
+            way to ignore it).
+    """
+    path = Path(model_dir) / FILE_NAME
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"{path} cannot be read as JSON ({exc}): fix the file, or set "
+            "engine.model.generation_config: vllm to ignore it"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} holds a {type(data).__name__}, not a JSON object: fix the file, or set "
+            "engine.model.generation_config: vllm to ignore it"
+        )
+    return data
+
+
+def sampling_defaults(
+    file_config: Mapping[str, Any], mode: str, overrides: Mapping[str, Any]
+) -> SamplingDefaults:
+    """The defaults of `mode` ("auto": the file's fields; "vllm": none) with
+    `overrides` set over them. Keys other than FIELDS' are ignored in the file;
+    in `overrides` the schema refuses them before this is called."""
+    if mode not in MODES:
+        raise ValueError(f"generation_config={mode!r}: use one of {', '.join(MODES)}")
+    merged = {} if mode == "vllm" else dict(file_config)
+    merged.update(overrides)
+    values = {FIELDS[k]: v for k, v in merged.items() if k in FIELDS and v is not None}
+    cap = overrides.get("max_new_tokens")
+    return SamplingDefaults(values, cap)
+
+
+def check(defaults: SamplingDefaults, source: str) -> None:
+    """Raise ValueError, naming `source` (where the values came from), the key (as the
+    file spells it) and the fix, when a default is not a number or is out of
+    SamplingParams' range."""
+    keys = {param: key for key, param in FIELDS.items()}
+
+    def invalid(param: str, why: str) -> ValueError:
+        return ValueError(
+            f"the sampling defaults from {source} are invalid: {keys.get(param, param)}: {why}; "
+            "fix them, or set engine.model.generation_config: vllm to ignore the model's file"
+        )
+
+    values = dict(defaults.values)
+    for param, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(param, f"{value!r} is not a number")
+    try:
+        SamplingParams(**values)
+        if defaults.max_tokens_cap is not None:
+            SamplingParams(max_tokens=defaults.max_tokens_cap)
+    except SamplingParamsError as exc:
+        raise invalid(exc.param, str(exc)) from None
+
+
+def describe(defaults: SamplingDefaults) -> str:
+    """One log line's worth: what requests that leave fields out will get."""
+    if not defaults.values:
+        return "none (the neutral defaults: temperature 1, no top-p / top-k / min-p, no penalty)"
+    parts = [f"{k}={v}" for k, v in sorted(defaults.values.items())]
+    if defaults.max_tokens_cap is not None:
+        parts.append(f"every request's max_tokens at most {defaults.max_tokens_cap}")
+    return ", ".join(parts)
