@@ -277,10 +277,15 @@ def build_engine(
         args.block_size,
         max_model_len,
     )
-    logger.info(
-        "sampling defaults (engine.model.generation_config %s): %s",
-        args.generation_config,
+    # A warning when they change what a request gets (vLLM warns too): the replicas'
+    # INFO lines do not reach `spur serve`'s output.
+    logger.log(
+        logging.WARNING if sampling_defaults.values else logging.INFO,
+        "%s: requests that leave them out get the sampling defaults %s "
+        "(engine.model.generation_config %s; set it to vllm to ignore the model's file)",
+        Path(info.model_dir).name,
         describe(sampling_defaults),
+        args.generation_config,
     )
     return Engine(
         EngineCore(scheduler, executor), scheduler, executor, info, args, sampling_defaults

@@ -219,8 +219,8 @@ class ModelConfig(_Section):
     "auto": the model folder's generation_config.json (its temperature, top_p, top_k,
     min_p, repetition_penalty, and max_new_tokens as the default max_tokens), the values
     the model's creator recommends; "vllm": ignore the file (temperature 1, no top-p,
-    top-k or min-p, no penalty). A request's own values always win. The engine logs the
-    defaults it uses at start."""
+    top-k or min-p, no penalty). A request's own values always win. The engine warns at
+    start when there are any, naming them."""
     override_generation_config: dict[GenerationKey, int | float] = Field(default_factory=dict)
     """Sampling defaults set over generation_config's (the same keys: temperature, top_p,
     top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's
