@@ -12,15 +12,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spur.actors import generation_config as gen_config
 from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
 from spur.actors.engine.core.engine_core import EngineCore
 from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
 from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 from spur.actors.engine.core.spec_decode import SpeculativeConfig
 from spur.actors.engine.shell.metrics import break_retirement
-from spur.actors.generation_config import SamplingDefaults, describe, read_file
-from spur.actors.generation_config import check as check_sampling_defaults
-from spur.actors.generation_config import sampling_defaults as make_sampling_defaults
+from spur.actors.generation_config import SamplingDefaults
 from spur.actors.step import Executor
 from spur.actors.worker.executors import make_executor
 from spur.actors.worker.worker import ModelInfo, WorkerConfig
@@ -54,6 +53,7 @@ class EngineArgs:
     generation_config: str
     """Requests' sampling defaults: "auto" (the model's file) or "vllm" (none)."""
     override_generation_config: dict[str, Any]
+    """Sampling defaults set over the model's (generation_config.json keys)."""
     # cache
     block_size: int
     num_kv_blocks: int | None
@@ -189,15 +189,15 @@ class EngineArgs:
         (naming the file or the setting, and the fix) for an unreadable file or a value
         out of range."""
         mode = self.generation_config
-        file_cfg = read_file(model_dir) if mode == "auto" else {}
-        defaults = make_sampling_defaults(file_cfg, mode, self.override_generation_config)
+        file_cfg = gen_config.read_generation_config(model_dir) if mode == "auto" else {}
+        defaults = gen_config.sampling_defaults(file_cfg, mode, self.override_generation_config)
         source = (
             f"{Path(model_dir) / 'generation_config.json'} and "
             "engine.model.override_generation_config"
             if mode == "auto"
             else "engine.model.override_generation_config"
         )
-        check_sampling_defaults(defaults, source)
+        gen_config.check_defaults(defaults, source)
         return defaults
 
     def to_dict(self) -> dict[str, Any]:
@@ -277,16 +277,10 @@ def build_engine(
         args.block_size,
         max_model_len,
     )
-    # A warning when they change what a request gets (vLLM warns too): the replicas'
-    # INFO lines do not reach `spur serve`'s output.
-    logger.log(
-        logging.WARNING if sampling_defaults.values else logging.INFO,
-        "%s: requests that leave them out get the sampling defaults %s "
-        "(engine.model.generation_config %s; set it to vllm to ignore the model's file)",
-        Path(info.model_dir).name,
-        describe(sampling_defaults),
-        args.generation_config,
+    level, message = gen_config.startup_message(
+        sampling_defaults, args.generation_config, Path(info.model_dir).name
     )
+    logger.log(level, message)
     return Engine(
         EngineCore(scheduler, executor), scheduler, executor, info, args, sampling_defaults
     )

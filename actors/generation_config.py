@@ -12,7 +12,7 @@ The fields: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_to
 default of max_tokens). Others (do_sample, eos_token_id, ...) are not sampling defaults
 and are ignored, as vLLM ignores them. A request's own value always wins, except that an
 override's max_new_tokens caps every request's max_tokens (vLLM's rule too). Values are
-checked where the engine is built (`check`), so a bad file stops the engine at start
+checked where the engine is built (`check_defaults`), so a bad file stops the engine at start
 with its path, not each request.
 
 Pure: the standard library only.
@@ -21,6 +21,7 @@ Pure: the standard library only.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +84,7 @@ class SamplingDefaults:
         return cls(dict(data.get("values") or {}), data.get("max_tokens_cap"))
 
 
-def read_file(model_dir: str | Path) -> dict[str, Any]:
+def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
     """The folder's generation_config.json as a dict; {} when there is none.
 
     Raises:
@@ -111,19 +112,36 @@ def read_file(model_dir: str | Path) -> dict[str, Any]:
 def sampling_defaults(
     file_config: Mapping[str, Any], mode: str, overrides: Mapping[str, Any]
 ) -> SamplingDefaults:
-    """The defaults of `mode` ("auto": the file's fields; "vllm": none) with
-    `overrides` set over them. Keys other than FIELDS' are ignored in the file;
-    in `overrides` the schema refuses them before this is called."""
+    """The defaults of `mode` ("auto": the file's fields; "vllm": none) with `overrides`
+    set over them. Keys other than FIELDS' are ignored in the file (it holds others:
+    eos_token_id, do_sample, ...) and refused in `overrides` (the schema refuses them
+    first; this guards the path without pydantic). A whole-number float where an integer
+    is meant (top_k, max_new_tokens: `512.0`) is taken as that integer.
+
+    Raises:
+        ValueError: an unknown mode or override key (the message lists the valid ones).
+    """
     if mode not in MODES:
         raise ValueError(f"generation_config={mode!r}: use one of {', '.join(MODES)}")
+    unknown = sorted(set(overrides) - set(FIELDS))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config: unknown key(s) {', '.join(unknown)}: "
+            f"valid ones are {', '.join(FIELDS)}"
+        )
     merged = {} if mode == "vllm" else dict(file_config)
     merged.update(overrides)
-    values = {FIELDS[k]: v for k, v in merged.items() if k in FIELDS and v is not None}
+    values = {FIELDS[k]: _whole(v) for k, v in merged.items() if k in FIELDS and v is not None}
     cap = overrides.get("max_new_tokens")
-    return SamplingDefaults(values, cap)
+    return SamplingDefaults(values, None if cap is None else _whole(cap))
 
 
-def check(defaults: SamplingDefaults, source: str) -> None:
+def _whole(value: Any) -> Any:
+    """512.0 -> 512 (JSON writers differ); anything else unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def check_defaults(defaults: SamplingDefaults, source: str) -> None:
     """Raise ValueError, naming `source` (where the values came from), the key (as the
     file spells it) and the fix, when a default is not a number or is out of
     SamplingParams' range."""
@@ -148,10 +166,29 @@ def check(defaults: SamplingDefaults, source: str) -> None:
 
 
 def describe(defaults: SamplingDefaults) -> str:
-    """One log line's worth: what requests that leave fields out will get."""
+    """What requests that leave fields out get, for a log line."""
     if not defaults.values:
         return "none (the neutral defaults: temperature 1, no top-p / top-k / min-p, no penalty)"
     parts = [f"{k}={v}" for k, v in sorted(defaults.values.items())]
     if defaults.max_tokens_cap is not None:
         parts.append(f"every request's max_tokens at most {defaults.max_tokens_cap}")
     return ", ".join(parts)
+
+
+def startup_message(defaults: SamplingDefaults, mode: str, model: str) -> tuple[int, str]:
+    """(logging level, message) the engine logs once it is built: a WARNING when there
+    are defaults (they change what a request that leaves fields out gets; vLLM warns
+    too, and a replica's INFO lines do not reach `spur serve`'s output), else INFO."""
+    if not defaults.values:
+        return logging.INFO, f"{model}: no sampling defaults (generation_config {mode})"
+    where = (
+        "the model's generation_config.json and engine.model.override_generation_config"
+        if mode == "auto"
+        else "engine.model.override_generation_config (the model's file is ignored)"
+    )
+    fix = " (set engine.model.generation_config: vllm to ignore the file)" if mode == "auto" else ""
+    return (
+        logging.WARNING,
+        f"{model}: requests that leave them out get the sampling defaults "
+        f"{describe(defaults)}, from {where}{fix}",
+    )

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +99,14 @@ app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/
 _TOKENIZER_LOCK = asyncio.Lock()
 """One tokenizer load at a time: lanes warm up concurrently, and a first import of
 transformers from two threads at once can fail half-initialised."""
+
+
+def _learn_limits(lane: Lane, stats: dict[str, Any], *, from_spare: bool) -> None:
+    """Set what requests are built with from an engine's `stats`: max_model_len and
+    the sampling defaults (the model's generation_config)."""
+    lane.max_model_len = int(stats["max_model_len"])
+    lane.sampling_defaults = SamplingDefaults.from_dict(stats.get("sampling_defaults"))
+    lane.limits_from_spare = from_spare
 
 
 def _load_tokenizer(model_dir: str) -> Any:
@@ -282,7 +291,32 @@ class Ingress:
                         await self._init_lane(lane)
             finally:
                 self.holding[lane.name] -= 1
+        if lane.limits_from_spare:
+            self._relearn_soon(lane)
         return name, lane
+
+    def _relearn_soon(self, lane: Lane, retry_s: float = 2.0) -> None:
+        """The lane's max_model_len and sampling defaults came from its spare (the
+        primaries were down at its first request): read them from a primary in the
+        background, one try at a time and at most one every `retry_s`, until one
+        answers. Requests meanwhile keep the spare's."""
+        now = time.monotonic()
+        if lane.relearn is not None or now < lane.relearn_after:
+            return
+        lane.relearn_after = now + retry_s
+
+        async def relearn() -> None:
+            try:
+                stats = await self._stats(lane.name, 5.0, quiet=True)
+                if stats is not None:
+                    _learn_limits(lane, stats, from_spare=False)
+                    logger.info(
+                        "lane %r: limits and sampling defaults read from its engines", lane.name
+                    )
+            finally:
+                lane.relearn = None
+
+        lane.relearn = asyncio.ensure_future(relearn())
 
     async def _stats(
         self, name: str, timeout_s: float = 10.0, *, quiet: bool = False
@@ -295,9 +329,10 @@ class Ingress:
             return None
 
     async def _init_lane(self, lane: Lane) -> None:
-        """Learn a lane's model (tokenizer, max_model_len) from its engines, or from
-        its spare when the primaries are down (waiting until one answers, or the
-        server drains); check that the spare tokenizes the same way (token ids
+        """Learn a lane's model (tokenizer, max_model_len, sampling defaults) from its
+        engines, or from its spare when the primaries are down (waiting until one
+        answers, or the server drains; `_relearn_soon` then reads the primaries' limits
+        once they answer); check that the spare tokenizes the same way (token ids
         travel between them), else disable its fallback."""
         spare = self.selector.spare_of.get(lane.name)
         while True:
@@ -312,8 +347,18 @@ class Ingress:
             await asyncio.sleep(0.2)
         own = stats or spare_stats
         assert own is not None
-        lane.max_model_len = int(own["max_model_len"])
-        lane.sampling_defaults = SamplingDefaults.from_dict(own.get("sampling_defaults"))
+        _learn_limits(lane, own, from_spare=stats is None)
+        if (
+            stats
+            and spare_stats
+            and stats.get("sampling_defaults") != spare_stats.get("sampling_defaults")
+        ):
+            logger.warning(
+                "spare %r has other sampling defaults than lane %r: requests keep the lane's "
+                "wherever they run",
+                spare,
+                lane.name,
+            )
         # The engine's tokenizer (engine.model.tokenizer, else its model folder).
         tok_dir = own.get("tokenizer_dir") or own["model_dir"]
         async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe

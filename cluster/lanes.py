@@ -154,6 +154,9 @@ class Lane:
         self.tokenizer: Any = None
         self.max_model_len = 0
         self.sampling_defaults = SamplingDefaults()
+        self.limits_from_spare = False  # max_model_len and defaults: the spare's, for now
+        self.relearn: asyncio.Future[None] | None = None  # the ingress's re-read in flight
+        self.relearn_after = 0.0  # monotonic time of the next re-read try
         self.lock = asyncio.Lock()
         self.healthy = -1  # replicas the index holds healthy (-1: not polled yet)
 

@@ -39,6 +39,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictFloat,
+    StrictInt,
     field_validator,
     model_validator,
 )
@@ -219,14 +221,17 @@ class ModelConfig(_Section):
     "auto": the model folder's generation_config.json (its temperature, top_p, top_k,
     min_p, repetition_penalty, and max_new_tokens as the default max_tokens), the values
     the model's creator recommends; "vllm": ignore the file (temperature 1, no top-p,
-    top-k or min-p, no penalty). A request's own values always win. The engine warns at
-    start when there are any, naming them."""
-    override_generation_config: dict[GenerationKey, int | float] = Field(default_factory=dict)
+    top-k or min-p, no penalty). A request's own values win (but for the cap of
+    override_generation_config's max_new_tokens). The engine warns at start when there
+    are any, naming them."""
+    override_generation_config: dict[GenerationKey, StrictInt | StrictFloat] = Field(
+        default_factory=dict
+    )
     """Sampling defaults set over generation_config's (the same keys: temperature, top_p,
     top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's
     `--override-generation-config`. max_new_tokens here also caps every request's
-    max_tokens, explicit ones included. The engine checks the values at start (the ranges
-    of the request fields) and refuses to start on a bad one."""
+    max_tokens, explicit ones included. Numbers only (not strings or booleans); the engine
+    checks their ranges (the request fields') at start and refuses to start on a bad one."""
 
 
 class CacheConfig(_Section):

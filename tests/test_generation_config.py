@@ -4,17 +4,23 @@ sampling defaults (vLLM's `--generation-config auto | vllm` and its overrides)."
 from __future__ import annotations
 
 import json
+import logging
+import typing
 from pathlib import Path
 
 import pytest
 
 from spur.actors.generation_config import (
+    FIELDS,
+    MODES,
     SamplingDefaults,
-    check,
+    check_defaults,
     describe,
-    read_file,
+    read_generation_config,
     sampling_defaults,
+    startup_message,
 )
+from spur.configs.schema import GenerationKey, ModelConfig
 
 QWEN3 = {  # Qwen3's file: sampling keys among others that are not sampling defaults
     "bos_token_id": 151643,
@@ -56,6 +62,26 @@ def test_vllm_ignores_the_file_and_overrides_go_over_either() -> None:
     }
     with pytest.raises(ValueError, match="use one of auto, vllm"):
         sampling_defaults({}, "model", {})
+    # the schema refuses unknown keys; without pydantic (the bare GPU machine) this does
+    with pytest.raises(
+        ValueError, match=r"unknown key\(s\) temprature: valid ones are temperature"
+    ):
+        sampling_defaults({}, "auto", {"temprature": 0.5})
+
+
+def test_whole_number_floats_are_integers() -> None:
+    d = sampling_defaults({"top_k": 20.0, "max_new_tokens": 512.0, "top_p": 0.5}, "auto", {})
+    assert d.values == {"top_k": 20, "max_tokens": 512, "top_p": 0.5}
+    assert isinstance(d.values["top_k"], int) and isinstance(d.values["max_tokens"], int)
+    check_defaults(d, "a file written with floats")  # valid
+    assert sampling_defaults({}, "auto", {"max_new_tokens": 64.0}).max_tokens_cap == 64
+
+
+def test_the_schema_lists_the_same_keys_and_modes() -> None:
+    """One source: the schema's Literal types name what this module reads."""
+    assert set(typing.get_args(GenerationKey)) == set(FIELDS)
+    mode_type = ModelConfig.model_fields["generation_config"].annotation
+    assert set(typing.get_args(mode_type)) == set(MODES)
 
 
 def test_fill_and_max_tokens() -> None:
@@ -66,20 +92,20 @@ def test_fill_and_max_tokens() -> None:
     assert SamplingDefaults().max_tokens(None, 100) == 100
     assert SamplingDefaults.from_dict(d.to_dict()) == d
     assert SamplingDefaults.from_dict(None) == SamplingDefaults()
-    assert json.loads(json.dumps(d.to_dict())) == d.to_dict()  # crosses Ray as JSON
+    assert json.loads(json.dumps(d.to_dict())) == d.to_dict()  # /admin/engines serves it
 
 
-def test_read_file(tmp_path: Path) -> None:
-    assert read_file(tmp_path) == {}  # no file: no defaults
+def test_read_generation_config(tmp_path: Path) -> None:
+    assert read_generation_config(tmp_path) == {}  # no file: no defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN3))
-    assert read_file(tmp_path) == QWEN3
+    assert read_generation_config(tmp_path) == QWEN3
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6,')
     with pytest.raises(ValueError, match=r"generation_config\.json cannot be read as JSON") as e:
-        read_file(tmp_path)
+        read_generation_config(tmp_path)
     assert "engine.model.generation_config: vllm" in str(e.value)
     (tmp_path / "generation_config.json").write_text("[0.6]")
     with pytest.raises(ValueError, match="holds a list, not a JSON object"):
-        read_file(tmp_path)
+        read_generation_config(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -97,11 +123,30 @@ def test_check_names_the_bad_value_and_its_source(
     values: dict, cap: int | None, named: str
 ) -> None:
     with pytest.raises(ValueError) as e:
-        check(SamplingDefaults(values, cap), "/m/generation_config.json")
+        check_defaults(SamplingDefaults(values, cap), "/m/generation_config.json")
     message = str(e.value)
     assert named in message and "/m/generation_config.json" in message
     assert "generation_config: vllm" in message
-    check(sampling_defaults(QWEN3, "auto", {"max_new_tokens": 5}), "ok")  # valid: no error
+
+
+def test_valid_defaults_pass_the_check() -> None:
+    check_defaults(sampling_defaults(QWEN3, "auto", {"max_new_tokens": 5}), "ok")
+
+
+def test_startup_message() -> None:
+    model_defaults = sampling_defaults(QWEN3, "auto", {})
+    level, message = startup_message(model_defaults, "auto", "Qwen3-8B")
+    assert level == logging.WARNING
+    assert message.startswith("Qwen3-8B: requests that leave them out get the sampling defaults")
+    assert "temperature=0.6" in message and "set engine.model.generation_config: vllm" in message
+    level, message = startup_message(sampling_defaults(QWEN3, "vllm", {"top_k": 5}), "vllm", "m")
+    assert level == logging.WARNING and "top_k=5" in message
+    assert "the model's file is ignored" in message and "set engine" not in message
+    level, message = startup_message(SamplingDefaults(), "auto", "SmolLM2")
+    assert (level, message) == (
+        logging.INFO,
+        "SmolLM2: no sampling defaults (generation_config auto)",
+    )
 
 
 def test_describe() -> None:

@@ -445,6 +445,34 @@ def test_generation_config_reaches_llm_generate(built: Any) -> None:
     assert 1 <= len(default.outputs[0].token_ids) <= 6
     long = built.llm.generate(["w3 w4 w5"], SamplingParams(max_tokens=20, ignore_eos=True))
     assert len(long[0].outputs[0].token_ids) == 20  # a request's own params win
+    streamed = [t for d in built.llm.stream("w3 w4 w5") for t in d.token_ids]
+    assert streamed == list(default.outputs[0].token_ids)  # stream() without params too
+
+
+def test_a_bad_generation_config_stops_the_engine_naming_the_file(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """A value out of range in the model's generation_config.json: `LLM(...)` (and so
+    an engine replica) refuses to start, naming the file, the key and the fix."""
+    import shutil
+
+    from spur.actors.llm import LLM
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny.model, model)
+    gen_file = model / "generation_config.json"
+    gen_file.write_text(json.dumps({**GEN_DEFAULTS, "top_p": 1.5}))
+    with pytest.raises(ValueError) as info:
+        LLM(str(model), num_kv_blocks=16, tokenizer=str(tiny.tokenizer))
+    message = str(info.value)
+    assert str(gen_file) in message and "top_p" in message
+    assert "generation_config: vllm" in message
+    # the way out the message names: the file is ignored, the engine starts
+    llm = LLM(str(model), num_kv_blocks=16, tokenizer=str(tiny.tokenizer), generation_config="vllm")
+    try:
+        assert llm.get_default_sampling_params().top_p == 1.0
+    finally:
+        llm.shutdown()
 
 
 # -- settings outside the engine ----------------------------------------------------------

@@ -1,0 +1,94 @@
+"""What the ingress learns of a lane from its engines' stats (`Ingress._init_lane`):
+the limits and sampling defaults come from the primaries; when only the spare answers
+at the lane's first request they come from the spare, and are read again from a
+primary once one answers. Ray is not started: the ingress's `_stats` is replaced by
+a table of what each deployment answers."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spur.actors.generation_config import SamplingDefaults
+from spur.cluster.ingress import Ingress
+from spur.cluster.lanes import Lane
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(out)
+    return out
+
+
+def _stats(tok: Path, max_model_len: int, temperature: float) -> dict[str, Any]:
+    defaults = SamplingDefaults({"temperature": temperature, "max_tokens": 5})
+    return {
+        "max_model_len": max_model_len,
+        "model_dir": str(tok),
+        "tokenizer_dir": str(tok),
+        "sampling_defaults": defaults.to_dict(),
+    }
+
+
+def _fake_ingress(answers: dict[str, Any]) -> Any:
+    """What `_init_lane` and `_relearn_soon` use of an Ingress; `answers[name]` is what
+    deployment `name` answers to a stats call (None: no replica answers)."""
+
+    async def _stats(name: str, timeout_s: float = 10.0, *, quiet: bool = False) -> Any:
+        return answers[name]
+
+    fake = types.SimpleNamespace(
+        selector=types.SimpleNamespace(spare_of={"chat": "spare"}), draining=None, _stats=_stats
+    )
+    fake._relearn_soon = lambda lane, retry_s=2.0: Ingress._relearn_soon(fake, lane, retry_s)
+    return fake
+
+
+def test_limits_come_from_the_primaries_when_they_answer(tokenizer_dir: Path) -> None:
+    answers = {"chat": _stats(tokenizer_dir, 96, 0.6), "spare": _stats(tokenizer_dir, 64, 0.2)}
+    lane = Lane("chat", None, {"block_size": 8, "hash_seed": "t"})
+    asyncio.run(Ingress._init_lane(_fake_ingress(answers), lane))  # type: ignore[arg-type]
+    assert (lane.max_model_len, lane.sampling_defaults.values["temperature"]) == (96, 0.6)
+    assert not lane.limits_from_spare
+
+
+def test_limits_learned_from_the_spare_are_read_again_from_a_primary(
+    tokenizer_dir: Path,
+) -> None:
+    answers: dict[str, Any] = {"chat": None, "spare": _stats(tokenizer_dir, 64, 0.2)}
+    fake = _fake_ingress(answers)
+    lane = Lane("chat", None, {"block_size": 8, "hash_seed": "t"})
+
+    def state() -> tuple[int, float, bool]:
+        temperature = lane.sampling_defaults.values["temperature"]
+        return lane.max_model_len, temperature, lane.limits_from_spare
+
+    async def scenario() -> list[tuple[int, float, bool]]:
+        seen = []
+        await Ingress._init_lane(fake, lane)  # type: ignore[arg-type]
+        seen.append(state())
+        fake._relearn_soon(lane, retry_s=0.0)  # the primaries are still down
+        assert lane.relearn is not None
+        await lane.relearn
+        seen.append(state())
+        assert lane.relearn is None
+        answers["chat"] = _stats(tokenizer_dir, 96, 0.6)  # a primary is back
+        fake._relearn_soon(lane, retry_s=60.0)
+        first = lane.relearn
+        fake._relearn_soon(lane, retry_s=60.0)  # one re-read at a time
+        assert first is not None and lane.relearn is first
+        await first
+        seen.append(state())
+        return seen
+
+    assert asyncio.run(scenario()) == [(64, 0.2, True), (64, 0.2, True), (96, 0.6, False)]
