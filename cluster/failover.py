@@ -246,6 +246,8 @@ class LaneOpener:
 
     async def __call__(self, payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
         monitor, lane, selector = self.monitor, self.lane, self.monitor.selector
+        if attempt:  # see the failure this request just reported (LaneMonitor.refresh)
+            await monitor.refresh()
         if attempt and monitor.draining is not None:  # nowhere to move it to
             raise shutting_down(monitor.draining)
         name = selector.target(lane.name)

@@ -193,12 +193,29 @@ class LaneMonitor:
         self.draining: str | None = None
         self.on_spare: Counter[str] = Counter()
         self._pushed = float("-inf")  # loop time of the last metrics push
+        self._round: asyncio.Future[None] | None = None  # the poll in flight, if any
 
     async def run(self, period_s: float = 0.25) -> None:
-        """`poll()` every `period_s` until cancelled."""
+        """`refresh()` every `period_s` until cancelled."""
         while True:
-            await self.poll()
+            await self.refresh()
             await asyncio.sleep(period_s)
+
+    async def refresh(self) -> None:
+        """A `poll()` round now, shared by every caller while it runs. A retry calls
+        it before choosing where to go: the index then has the failures this ingress
+        reported before it (the index runs one call at a time, in the order each
+        caller sent them), so a lane whose replicas just failed moves to its spare
+        for that retry instead of at the loop's next round."""
+        if self._round is None:
+            self._round = asyncio.ensure_future(self._poll_round())
+        await asyncio.shield(self._round)
+
+    async def _poll_round(self) -> None:
+        try:
+            await self.poll()
+        finally:
+            self._round = None
 
     async def poll(self) -> None:
         """One round: read the drain state and the index's health view, move lanes to

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from spur.cluster.errors import ProtocolError
-from spur.cluster.failover import LaneOpener, is_retriable
+from spur.cluster.failover import EngineStream, LaneOpener, is_retriable
 from spur.cluster.lanes import Lane, LaneMonitor, LaneSelector
 from spur.cluster.routing.index_actor import KVIndexActor
 
@@ -212,6 +212,30 @@ def test_a_retry_with_the_primaries_gone_fails_over_at_once() -> None:
         assert s.monitor.on_spare["chat"] == 1  # the lane's demand on its spare
         gen.cancel()
         assert s.monitor.on_spare["chat"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_sees_the_failure_its_request_reported_before_the_next_poll() -> None:
+    """The lane's one replica answers with a dead engine's 503: the opener reports it
+    to the index, and the retry, before the monitor's next round, refreshes the view
+    and goes to the spare instead of back to the dead replica."""
+    s = Setup()
+
+    async def scenario() -> None:
+        s.register("c1", "chat")
+        s.register("s1", "spare")
+        await s.monitor.poll()
+        assert s.lanes["chat"].healthy == 1 and s.selector.target("chat") == "chat"
+        dead = {"type": "error", "status": 503, "message": "the engine failed (x)"}
+        s.engines.append(Engine([{**dead, "param": None, "replica_id": "c1"}]))
+        s.engines.append(Engine([{"type": "delta", "token_ids": [1], "replica_id": "s1"}]))
+        stream = EngineStream(s.opener(), dict(PAYLOAD), max_attempts=2, backoff_s=0.0)
+        first = await stream.start()
+        assert first["replica_id"] == "s1"
+        assert [target for target, _ in s.sent] == ["chat", "spare"]
+        assert s.selector.target("chat") == "spare"
+        stream.gen.cancel()
 
     asyncio.run(scenario())
 
