@@ -224,14 +224,15 @@ class ModelConfig(_Section):
     top-k or min-p, no penalty). A request's own values win (but for the cap of
     override_generation_config's max_new_tokens). The engine warns at start when there
     are any, naming them."""
-    override_generation_config: dict[GenerationKey, StrictInt | StrictFloat] = Field(
+    override_generation_config: dict[GenerationKey, StrictInt | StrictFloat | None] = Field(
         default_factory=dict
     )
     """Sampling defaults set over generation_config's (the same keys: temperature, top_p,
     top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's
     `--override-generation-config`. max_new_tokens here also caps every request's
-    max_tokens, explicit ones included. Numbers only (not strings or booleans); the engine
-    checks their ranges (the request fields') at start and refuses to start on a bad one."""
+    max_tokens, explicit ones included. Numbers (not strings or booleans), or null to drop
+    the model file's value for that key; the engine checks their ranges (the request
+    fields') at start and refuses to start on a bad one."""
 
 
 class CacheConfig(_Section):

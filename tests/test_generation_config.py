@@ -69,6 +69,15 @@ def test_vllm_ignores_the_file_and_overrides_go_over_either() -> None:
         sampling_defaults({}, "auto", {"temprature": 0.5})
 
 
+def test_a_null_override_drops_the_files_value() -> None:
+    """As vLLM: the override is merged over the file, then null values are dropped."""
+    d = sampling_defaults(QWEN3, "auto", {"top_k": None, "max_new_tokens": None})
+    assert d.values == {"temperature": 0.6, "top_p": 0.95}
+    assert d.max_tokens_cap is None
+    cfg = ModelConfig(override_generation_config={"top_k": None, "temperature": 0.2})
+    assert cfg.override_generation_config == {"top_k": None, "temperature": 0.2}
+
+
 def test_whole_number_floats_are_integers() -> None:
     d = sampling_defaults({"top_k": 20.0, "max_new_tokens": 512.0, "top_p": 0.5}, "auto", {})
     assert d.values == {"top_k": 20, "max_tokens": 512, "top_p": 0.5}
