@@ -154,10 +154,16 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
         if (key is None) == (hexdigest is None):
             raise AuthConfigError(f"{where}: give exactly one of 'key' and 'key_sha256'")
         if key is not None:
-            if not isinstance(key, str) or len(key) < 8 or any(c.isspace() for c in key):
+            if (
+                not isinstance(key, str)
+                or len(key) < 8
+                or not key.isascii()
+                or not key.isprintable()
+                or any(c.isspace() for c in key)
+            ):
                 raise AuthConfigError(
-                    f"{where}.key: a key must be a string of at least 8 characters "
-                    "without whitespace"
+                    f"{where}.key: a key must be a string of at least 8 printable ASCII "
+                    "characters without whitespace (an HTTP header carries it)"
                 )
             key_digest = digest(key)
         else:

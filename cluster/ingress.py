@@ -142,6 +142,29 @@ def _delta(item: dict[str, Any]) -> Delta:
     )
 
 
+async def _await(ref: Any) -> Any:
+    """`await ref` as a coroutine (so that it can run as a task of its own)."""
+    return await ref
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends. The body's own
+    `finally` is not enough: when the client has gone before the body starts (it
+    waited for its first token, then hung up), Starlette cancels the response without
+    ever iterating the body, and a generator that never started runs no `finally`.
+    `on_close` must be idempotent (the body's `finally` may have run it already)."""
+
+    def __init__(self, content: Any, *, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 async def _collect(fan: FanOut, n: int, prompts: list[list[int]]) -> list[RequestOutput]:
     """Accumulate every prompt's stream into a RequestOutput (non-streaming answers)."""
     outs = []
@@ -434,18 +457,37 @@ class Ingress:
             from spur.cluster.limits import get_limits
 
             self.limits = get_limits()
-        try:
-            answer = await self.limits.admit.remote(
-                principal.key_id,
-                principal.max_concurrent_requests,
-                principal.tokens_per_minute,
-                prompt_tokens,
+        limits = self.limits
+        call = asyncio.ensure_future(
+            _await(
+                limits.admit.remote(
+                    principal.key_id,
+                    principal.max_concurrent_requests,
+                    principal.tokens_per_minute,
+                    prompt_tokens,
+                )
             )
+        )
+        try:
+            answer = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The client went away while the actor decided. The call runs on, and a
+            # lease it grants would never be released: release it when it comes.
+            key_id = principal.key_id
+
+            def release_late(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    lease = done.result().get("lease")
+                    if lease is not None:
+                        limits.release.remote(key_id, lease, 0)
+
+            call.add_done_callback(release_late)
+            raise
         except Exception as exc:  # the actor restarts: fail open rather than lock out
             logger.warning("limits actor unavailable (%s): request admitted", exc)
             return None, None
         if "lease" in answer:
-            return self.limits, int(answer["lease"])
+            return limits, int(answer["lease"])
         reason = answer.get("reason")
         if reason == "too_large":
             raise bad_request(
@@ -609,9 +651,9 @@ class Ingress:
 
         def release(completion_tokens: int) -> None:
             nonlocal released
-            if limits is not None and not released:
+            if limits is not None and principal is not None and not released:
                 released = True
-                limits.release.remote(lease, completion_tokens)
+                limits.release.remote(principal.key_id, lease, completion_tokens)
 
         try:
             await fan.ready()
@@ -625,8 +667,10 @@ class Ingress:
                     prompt_tokens=prompt_tokens,
                     token_str=token_str,
                 )
-                return StreamingResponse(
-                    self._sse(stream, fan, release), media_type="text/event-stream"
+                return _ClosingStreamingResponse(
+                    self._sse(stream, fan, release),
+                    on_close=lambda: (fan.close(), release(stream.completion_tokens)),
+                    media_type="text/event-stream",
                 )
             outputs = await _collect(fan, params.n, prompts)
         except BaseException:  # a failed prompt, or the client went away: abort them all

@@ -3,7 +3,7 @@ requests and tokens (prompt + completion) per minute.
 
     ingress replica ──admit(key, limits, prompt_tokens)──> LimitsActor (one, named)
                     <── {"lease": id} | {"retry_after_s": s, "reason": ...}
-                    ──release(lease, completion_tokens)──>
+                    ──release(key, lease, completion_tokens)──>
 
 The state lives in one Ray actor (as the KV index does), so limits hold however
 many ingress replicas there are. `LimitBook` is the pure bookkeeping (unit
@@ -12,7 +12,9 @@ they are known: the prompt at admission, the completion at release; a window
 is the last 60 seconds. A lease that is never released (its ingress died)
 expires after `lease_ttl_s`, so a lost replica cannot pin a key's concurrency.
 The actor restarts if it dies; counts then start from zero (a brief window of
-leniency, never a lock-out).
+leniency, never a lock-out). Lease ids start at a random number in each actor's
+life, and `release` names the key, so a lease taken before a restart can never end
+(or bill) a lease of the new actor.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +51,8 @@ class LimitBook:
         self.clock = clock
         self.keys: dict[str, _KeyState] = {}
         self.lease_owner: dict[int, str] = {}
-        self._ids = itertools.count(1)
+        # Unique across the actor's restarts, so an old lease never names a new one.
+        self._ids = itertools.count(secrets.randbits(62))
         self.refused: collections.Counter[str] = collections.Counter()
 
     def _state(self, key_id: str, now: float) -> _KeyState:
@@ -99,16 +103,16 @@ class LimitBook:
         self._charge(st, now, prompt_tokens)
         return {"lease": lease}
 
-    def release(self, lease: int, completion_tokens: int = 0) -> None:
-        """End a lease, charging the completion's tokens. Unknown leases (expired,
-        or from before a restart) are ignored; the tokens are charged if the key
-        is known."""
-        key_id = self.lease_owner.pop(lease, None)
-        if key_id is None:
-            return
+    def release(self, key_id: str, lease: int, completion_tokens: int = 0) -> None:
+        """End `key_id`'s lease and charge the completion's tokens to the key. The tokens
+        are charged even when the lease is no longer known (it expired, or was taken
+        before the actor restarted); a lease that is not the key's is left alone."""
+        owner = self.lease_owner.get(lease)
         now = self.clock()
         st = self._state(key_id, now)
-        st.leases.pop(lease, None)
+        if owner == key_id:
+            self.lease_owner.pop(lease, None)
+            st.leases.pop(lease, None)
         self._charge(st, now, completion_tokens)
 
     @staticmethod
@@ -148,8 +152,8 @@ class LimitsActor:
     ) -> dict[str, Any]:
         return self.book.admit(key_id, max_concurrent, tokens_per_minute, prompt_tokens)
 
-    def release(self, lease: int, completion_tokens: int = 0) -> None:
-        self.book.release(lease, completion_tokens)
+    def release(self, key_id: str, lease: int, completion_tokens: int = 0) -> None:
+        self.book.release(key_id, lease, completion_tokens)
 
     def usage(self, key_id: str) -> dict[str, int]:
         return self.book.usage(key_id)

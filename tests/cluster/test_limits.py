@@ -24,9 +24,9 @@ def test_concurrency_lease_and_release() -> None:
     refused = book.admit("k", 2, None, 10)
     assert refused == {"retry_after_s": 1.0, "reason": "concurrency"}
     assert "lease" in book.admit("other", 2, None, 10)  # keys are independent
-    book.release(a["lease"], 5)
+    book.release("k", a["lease"], 5)
     assert "lease" in book.admit("k", 2, None, 10)
-    book.release(a["lease"], 5)  # twice: ignored
+    book.release("k", a["lease"], 5)  # twice: ignored
     book.check_integrity()
 
 
@@ -34,7 +34,7 @@ def test_tokens_per_minute_window_and_retry_after() -> None:
     clock = Clock()
     book = LimitBook(clock=clock)
     first = book.admit("k", None, 100, 60)
-    book.release(first["lease"], 30)  # 90 used
+    book.release("k", first["lease"], 30)  # 90 used
     clock.t += 10
     refused = book.admit("k", None, 100, 20)
     assert refused["reason"] == "tokens"
@@ -61,16 +61,47 @@ def test_random_sequences_keep_the_books_consistent() -> None:
     rng = random.Random(7)
     clock = Clock()
     book = LimitBook(lease_ttl_s=50, clock=clock)
-    held: list[int] = []
+    held: list[tuple[str, int]] = []
     for _ in range(3000):
         clock.t += rng.random() * 2
         if held and rng.random() < 0.5:
-            book.release(held.pop(rng.randrange(len(held))), rng.randrange(50))
+            book.release(*held.pop(rng.randrange(len(held))), rng.randrange(50))
         else:
             key = f"k{rng.randrange(3)}"
             answer = book.admit(key, rng.choice([None, 3]), rng.choice([None, 500]), 10)
             if "lease" in answer:
-                held.append(answer["lease"])
+                held.append((key, answer["lease"]))
         book.check_integrity()
         for key in ("k0", "k1", "k2"):
             assert book.usage(key)["in_flight"] <= len(held)
+
+
+def test_a_lease_from_before_a_restart_never_ends_a_new_one() -> None:
+    """The actor restarted (a new book): a request admitted before it releases its
+    old lease. It must neither free another key's new lease nor bill that key."""
+    old, new = LimitBook(clock=Clock()), LimitBook(clock=Clock())
+    stale = old.admit("a", 1, None, 10)["lease"]
+    fresh = new.admit("b", 1, None, 100)["lease"]
+    assert stale != fresh  # ids start at a random number in each life
+    new.release("a", fresh, 5000)  # even a colliding id: it is not a's lease
+    assert new.usage("b") == {"in_flight": 1, "tokens_last_minute": 100}
+    assert new.usage("a") == {"in_flight": 0, "tokens_last_minute": 5000}
+    assert new.admit("b", 1, None, 1)["reason"] == "concurrency"
+    new.release("b", fresh, 7)
+    assert new.usage("b") == {"in_flight": 0, "tokens_last_minute": 107}
+    new.check_integrity()
+
+
+def test_an_expired_lease_still_bills_its_tokens() -> None:
+    """A request that outlives lease_ttl_s is billed whether or not anything touched
+    its key in between."""
+    for touch in (False, True):
+        clock = Clock()
+        book = LimitBook(lease_ttl_s=30, clock=clock)
+        lease = book.admit("k", 1, None, 0)["lease"]
+        clock.t += 31
+        if touch:
+            book.usage("k")  # purges the expired lease
+        book.release("k", lease, 500)
+        assert book.usage("k") == {"in_flight": 0, "tokens_last_minute": 500}, touch
+        book.check_integrity()

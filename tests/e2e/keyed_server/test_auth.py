@@ -5,8 +5,10 @@ chart exports them; the keys are listed there)."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -140,6 +142,59 @@ def test_max_concurrent_requests_per_key_is_429_with_retry_after(keyed_server: K
                 break
             assert r.status_code == 429 and time.monotonic() < deadline, r.text
             time.sleep(0.2)
+
+
+def test_a_client_gone_before_its_first_token_frees_its_lease_and_its_request(
+    keyed_server: KeyedServer,
+) -> None:
+    """The client sends a streamed request and hangs up before anything comes back.
+    `x-request-disconnect-disabled: ?1` (a Serve header any client may send) keeps Serve
+    from cancelling the handler, so the ingress answers a response whose client is gone:
+    Starlette then cancels it before its body starts. The key's lease must come back and
+    the engine must abort the request, not run it to max_tokens."""
+    max_tokens = 2000
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "Count:",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    url = urlsplit(keyed_server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Authorization: Bearer {KEYS['solo']}\r\nContent-Type: application/json\r\n"
+        f"x-request-disconnect-disabled: ?1\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with keyed_server.client("ops") as ops, keyed_server.client("solo") as solo:
+
+        def engine_when(ready: Any) -> dict[str, Any]:
+            deadline = time.monotonic() + 30
+            while True:
+                stats = ops.get("/admin/engines").json()["tiny"]
+                if ready(stats):
+                    return stats
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.1)
+
+        before = engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(head + body)
+        # Nothing else runs on this server now: a step means the request was admitted.
+        engine_when(lambda st: st["num_steps"] > before["num_steps"])
+        deadline = time.monotonic() + 30
+        while True:  # the lease comes back (it used to stay for lease_ttl_s, an hour)
+            r = solo.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}
+            )
+            if r.status_code == 200:
+                break
+            assert r.status_code == 429 and time.monotonic() < deadline, r.text
+            time.sleep(0.2)
+        after = engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+    assert after["num_steps"] - before["num_steps"] < max_tokens, (before, after)
 
 
 def test_tokens_per_minute_per_key(keyed_server: KeyedServer) -> None:
