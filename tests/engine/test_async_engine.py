@@ -341,3 +341,45 @@ def test_on_thread_start_runs_first_on_the_engine_thread():
 
     asyncio.run(main())
     assert seen == ["spur-engine"]
+
+
+def test_a_stop_string_in_one_completion_leaves_the_others_to_their_end():
+    """n=3: completion 0 samples "x" (a stop string), its forks never do. Completion 0
+    ends "stop"; the forks run to max_tokens; the stream ends (it used to hang: the
+    stop ended every fork without telling the output processor)."""
+
+    class Letters:
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    async def main():
+        core, sched, fake = make_engine(block_size=4, num_blocks=64)
+        execute = fake.execute_model
+
+        def diverging(out):  # completion 0 ("r") samples 23 ("x"), its forks ("r#i") 0 ("a")
+            res = execute(out)
+            for rid, toks in res.sampled_token_ids.items():
+                res.sampled_token_ids[rid] = [0 if "#" in rid else 23 for _ in toks]
+            return res
+
+        fake.execute_model = diverging
+        engine = AsyncEngine(core, Letters(), eos_token_id=None)
+        params = SamplingParams(n=3, max_tokens=5, stop=("x",))
+        final = await asyncio.wait_for(collect_all(engine, "r", [1, 2, 3, 4, 5, 6], params), 30)
+        await engine.shutdown()
+        return final, sched
+
+    final, sched = asyncio.run(main())
+    got = sorted((o.index, o.text, o.finish_reason) for o in final.outputs)
+    assert got == [(0, "", "stop"), (1, "aaaaa", "length"), (2, "aaaaa", "length")]
+    assert sched.requests == {} and sched._children == {}
+    sched.check_integrity()
+
+
+async def collect_all(engine: AsyncEngine, rid: str, tokens: list[int], params) -> RequestOutput:
+    final = None
+    async for item in engine.generate(rid, tokens, params):
+        if isinstance(item, RequestOutput):
+            final = item
+    assert final is not None
+    return final

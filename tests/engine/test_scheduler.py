@@ -239,3 +239,116 @@ def test_stats_per_step():
     _, stats = core.step()
     assert stats.prefix_queries == 20 and stats.prefix_hits == 16
     assert 0 < stats.kv_usage < 1
+
+
+# -- parallel sampling (n > 1) under stop strings, tight pools and priorities ---------------
+def _step_to_end(core, sched, max_steps: int = 2000) -> dict[str, list[int]]:
+    """Step until nothing is left (failing after `max_steps`: no progress is a hang),
+    checking integrity each step; returns each request's generated tokens."""
+    out: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            return out
+        outputs, _ = core.step()
+        sched.check_integrity()
+        for o in outputs:
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+    raise AssertionError(f"still running after {max_steps} steps: {list(sched.requests)}")
+
+
+def test_a_stop_string_in_completion_0_leaves_its_forks_running():
+    core, sched, _fake = make_engine(block_size=4, budget=64)
+    add(sched, "p", list(range(10)), max_tokens=6, n=3, ignore_eos=True)
+    core.step()
+    core.step()  # forked; every completion has its first token
+    assert {"p#1", "p#2"} <= set(sched.requests)
+    # the detokenizer matched a stop string in completion 0 (id "p")
+    outs = sched.finish_requests("p", RequestStatus.FINISHED_STOPPED)
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("p", "stop")]
+    tokens = _step_to_end(core, sched)
+    assert len(tokens["p#1"]) == len(tokens["p#2"]) == 6 - 1  # the rest of max_tokens
+    assert sched._children == {}
+    assert_all_free(sched)
+
+
+def test_an_abort_after_completion_0_ended_still_ends_its_forks():
+    core, sched, _fake = make_engine(block_size=4, budget=64)
+    add(sched, "p", list(range(10)), max_tokens=40, n=2, ignore_eos=True)
+    core.step()
+    core.step()
+    sched.finish_requests("p", RequestStatus.FINISHED_STOPPED)
+    outs = sched.abort_requests("p")  # the client went away
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("p#1", "abort")]
+    assert sched.requests == {} and sched._children == {}
+    assert_all_free(sched)
+
+
+def test_a_fork_without_room_waits_instead_of_holding_its_parent_forever():
+    # 4 usable blocks of 4 tokens: the parent's 14-token prompt leaves no block for the
+    # copy of its partly filled last block, and nothing else runs to preempt.
+    core, sched, _fake = make_engine(block_size=4, num_blocks=5, max_model_len=16, budget=32)
+    add(sched, "p", list(range(1, 15)), max_tokens=2, n=2, ignore_eos=True)
+    add(sched, "other", [1, 2, 3], max_tokens=2, ignore_eos=True)
+    tokens = _step_to_end(core, sched, max_steps=50)
+    assert {rid: len(t) for rid, t in tokens.items()} == {"p": 2, "p#1": 2, "other": 2}
+    assert_all_free(sched)
+
+
+def test_forks_respect_max_num_seqs():
+    core, sched, _fake = make_engine(block_size=4, budget=64, max_num_seqs=2)
+    add(sched, "p", list(range(10)), max_tokens=4, n=4, ignore_eos=True)
+    peak = 0
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            break
+        core.step()
+        sched.check_integrity()
+        peak = max(peak, len(sched.running))
+    assert not core.has_unfinished_requests() and peak == 2
+    assert_all_free(sched)
+
+
+def test_priority_ties_among_forks_do_not_livelock():
+    """Forks share their parent's (priority, arrival): a tie must go to the one
+    admitted last, else each fork in turn preempts the one that just got ahead."""
+    core, sched, _fake = make_engine(
+        policy="priority",
+        block_size=1,
+        num_blocks=14,
+        max_model_len=40,
+        budget=2,
+        threshold=1,
+        groups=(SLIDING,),
+    )
+    add(sched, "p", list(range(1, 10)), max_tokens=31, n=2, ignore_eos=True)
+    tokens = _step_to_end(core, sched, max_steps=500)
+    assert len(tokens["p"]) == len(tokens["p#1"]) == 31
+
+
+def test_a_fork_never_preempts_a_request_of_higher_priority():
+    """The parent of lower priority is the policy's victim: its fork waits rather
+    than preempting `hi`, which runs undisturbed to its end."""
+    core, sched, _fake = make_engine(
+        policy="priority", block_size=4, num_blocks=9, budget=64, max_model_len=32
+    )
+    hi = SamplingParams(max_tokens=8, ignore_eos=True)
+    hi_req = sched.make_request("hi", list(range(15)), hi, priority=0, arrival_time=0.0)
+    sched.add_request(hi_req)
+    core.step()  # hi holds 4 of the 8 usable blocks
+    lo = SamplingParams(n=2, max_tokens=2, ignore_eos=True)
+    sched.add_request(
+        sched.make_request("lo", list(range(100, 114)), lo, priority=5, arrival_time=1.0)
+    )
+    tokens = _step_to_end(core, sched, max_steps=200)
+    assert sched.requests == {} and len(tokens["lo#1"]) == 2
+    assert len(tokens["hi"]) == 8 - 1  # its first came in the step above
+    assert hi_req.num_preemptions == 0
+
+
+@pytest.mark.parametrize("knob", ["budget", "threshold"])
+def test_state_models_refuse_a_chunk_limit_below_one_block(knob):
+    kwargs = {"budget": 4} if knob == "budget" else {"threshold": 4}
+    with pytest.raises(ValueError, match="below block_size=8") as info:
+        make_engine(block_size=8, num_blocks=200, groups=(FULL, STATE), **kwargs)
+    name = "max_num_batched_tokens" if knob == "budget" else "long_prefill_token_threshold"
+    assert f"raise {name} to at least 8" in str(info.value)

@@ -112,6 +112,8 @@ class Scheduler:
         # States are cached only at block boundaries: stop a prefill at its last one.
         self._cut_tail = self._align_chunks and kv_config.enable_prefix_caching
         self._check_fits_one_request(kv_config)
+        if self._align_chunks:
+            self._check_chunks_reach_a_block(kv_config.block_size)
         self.proposer: NgramProposer | None = None
         if config.speculative is not None:
             if kv_config.has_state_groups:
@@ -138,6 +140,21 @@ class Scheduler:
         self.total_preemptions = 0
         self._step_preemptions = 0
         self._step_tokens = 0
+
+    def _check_chunks_reach_a_block(self, bs: int) -> None:
+        """With state groups a prefill chunk ends on a block boundary (states are saved
+        there), so a chunk limit below one block would schedule nothing, forever."""
+        limits = {
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "long_prefill_token_threshold": self.config.long_prefill_token_threshold or bs,
+        }
+        for name, value in limits.items():
+            if value < bs:
+                raise ValueError(
+                    f"{name}={value} is below block_size={bs}: a model with recurrent-state "
+                    "layers computes its prefill in whole blocks, so no chunk could run; "
+                    f"raise {name} to at least {bs} (or lower block_size)"
+                )
 
     def _check_fits_one_request(self, kv_config: KVCacheConfig) -> None:
         bs, chunk = kv_config.block_size, self.config.max_num_batched_tokens
@@ -195,19 +212,23 @@ class Scheduler:
     def abort_requests(self, request_ids: list[str] | str) -> list[EngineCoreOutput]:
         """Finish requests as aborted (and their forks); blocks are freed at
         once. Unknown or already finished ids are ignored."""
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, with_forks=True)
 
     def finish_requests(
-        self, request_ids: list[str] | str, status: RequestStatus
+        self, request_ids: list[str] | str, status: RequestStatus, *, with_forks: bool = False
     ) -> list[EngineCoreOutput]:
         """End requests from outside the step (abort, a stop string matched by
-        the detokenizer). Returns one final output per request ended."""
+        the detokenizer). Returns one final output per request ended.
+        `with_forks`: a parent's id also ends its forks (an abort of the whole
+        request); without it only the completion named ends (a stop string in
+        completion 0 leaves its siblings running)."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         assert status.finished
         outs = []
         for rid in request_ids:
-            for cid in [rid, *self._children.get(rid, [])]:
+            group = [rid, *self._children.get(rid, [])] if with_forks else [rid]
+            for cid in group:
                 req = self.requests.get(cid)
                 if req is not None:
                     self._finish(req, status)
@@ -331,7 +352,9 @@ class Scheduler:
         """The running request to preempt (from `candidates`, default all)."""
         pool = self.running if candidates is None else candidates
         if self.config.policy == "priority":
-            return max(pool, key=lambda r: (r.priority, r.arrival_time))
+            # Ties (a request's forks share its priority and arrival) go to the one
+            # admitted last, as under fcfs; else a fork would preempt itself in turn.
+            return max(reversed(pool), key=lambda r: (r.priority, r.arrival_time))
         return pool[-1]
 
     def _preempt(self, req: Request) -> None:
@@ -349,7 +372,13 @@ class Scheduler:
         self.waiting.prepend(req)
 
     def _fork_ready_parents(self) -> bool:
-        """Fork every running parent whose prompt minus one token is computed.
+        """Fork every running parent whose prompt minus one token is computed: each
+        copy shares the parent's blocks and runs at once when it has a seat
+        (max_num_seqs) and room, preempting by the policy's order (never the parent's
+        own completions) to make room. A copy for which the policy would preempt the
+        parent itself, or that has no seat, waits instead: it recomputes its prompt
+        when admitted (the parent's full blocks are prefix hits). So every parent
+        forks in one step and never holds its last prompt token waiting for room.
         Returns True if a preemption was needed to make room for the copies."""
         preempted = False
         for parent in list(self.running):
@@ -357,25 +386,26 @@ class Scheduler:
             n = self._pending_forks.get(rid)
             if n is None or parent.num_computed_tokens < parent.num_prompt_tokens - 1:
                 continue
-            made = len(self._children[rid])
-            for index in range(made + 1, n):
+            for index in range(len(self._children[rid]) + 1, n):
                 child = parent.fork(f"{rid}#{index}", index)
-                while not self.kv.fork(parent, child):
-                    victims = [r for r in self.running if r is not parent]
-                    if not victims:
-                        break
-                    preempted = True
-                    self._preempt(self._pick_victim(victims))
-                else:
+                self.requests[child.request_id] = child
+                self._children[rid].append(child.request_id)
+                runs = len(self.running) < self.config.max_num_seqs
+                while runs and not self.kv.fork(parent, child):
+                    victim = self._pick_victim([r for r in self.running if r.parent_id != rid])
+                    runs = victim is not parent
+                    if runs:
+                        preempted = True
+                        self._preempt(victim)
+                if runs:
                     child.status = RequestStatus.RUNNING
                     child.num_cached_tokens = parent.num_cached_tokens
-                    self.requests[child.request_id] = child
-                    self._children[rid].append(child.request_id)
                     self.running.append(child)
-                    continue
-                break  # no room even after preempting everyone else: retry next step
-            if len(self._children[rid]) == n - 1:
-                del self._pending_forks[rid]
+                else:
+                    child.status = RequestStatus.WAITING
+                    child.num_computed_tokens = child.num_cached_tokens = 0
+                    self.waiting.prepend(child)
+            del self._pending_forks[rid]
         return preempted
 
     def _build_output(
@@ -537,6 +567,11 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[rid]
         self._pending_forks.pop(rid, None)
+        group = req.parent_id or rid
+        children = self._children.get(group)
+        live = group in self.requests or any(c in self.requests for c in children or ())
+        if children is not None and not live:
+            del self._children[group]  # the whole request has ended
         req.spec_token_ids = []
         self._cuts.pop(rid, None)
         if self.proposer is not None:
@@ -601,6 +636,10 @@ class Scheduler:
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
             assert not any(self.kv.num_held(req.request_id)), f"waiting {req} holds blocks"
+        for parent_id, children in self._children.items():
+            assert parent_id in self.requests or any(c in self.requests for c in children), (
+                f"fork bookkeeping of {parent_id} outlived all its completions"
+            )
         held = {rid for m in self.kv.managers for rid in m.tables}
         assert held <= set(running_ids), (
             f"blocks held by non-running requests: {held - set(running_ids)}"

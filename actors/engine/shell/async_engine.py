@@ -219,9 +219,6 @@ class AsyncEngine:
             if not done:
                 self._inbox.put(_Abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
-
     @property
     def request_ids(self) -> list[str]:
         """Requests whose stream is open (event loop thread)."""
