@@ -67,7 +67,11 @@ class SamplingParams:
     min_tokens: int = 0
     """Stop tokens and EOS are suppressed until this many tokens exist (<= max_tokens)."""
     stop: tuple[str, ...] = ()
-    """Stop strings, matched on the detokenized text (not part of the output)."""
+    """Stop strings, matched on the detokenized text (not part of the output), in text
+    that the tokens after the first `min_tokens` complete."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string, or the text of the stop token (EOS, stop_token_ids), that
+    ended a completion in its text (vLLM's extra). The token ids always hold it."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end the request (in addition to EOS unless ignore_eos)."""
     ignore_eos: bool = False
@@ -110,8 +114,10 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "an integer >= 0 (0 or -1 disables)")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "[0, 1]")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise bad("seed", self.seed, "an integer in [0, 2**63)")
+        if self.seed is not None and not (
+            isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63
+        ):
+            raise bad("seed", self.seed, "a 64-bit signed integer, in [-2**63, 2**63)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "[-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -188,6 +188,7 @@ class _Request(_TopLevel):
     ignore_eos: Bool | None = None
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: Bool | None = None
+    include_stop_str_in_output: Bool | None = None
     priority: Int | None = None
     """Scheduling priority (lower runs first, as in vLLM); carried in `extra`."""
     cache_salt: Str | None = None
@@ -271,6 +272,7 @@ class _Request(_TopLevel):
             "min_tokens",
             "ignore_eos",
             "skip_special_tokens",
+            "include_stop_str_in_output",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -602,7 +602,7 @@ SAMPLING_ERRORS = [
     ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "x", "n": 0}, "n"),
-    ("completions", {"prompt": "x", "seed": -5}, "seed"),
+    ("completions", {"prompt": "x", "seed": 2**63}, "seed"),  # beyond a signed 64-bit
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "min_tokens": 50}, "min_tokens"),
     ("completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
@@ -685,3 +685,19 @@ def test_every_published_request_example_is_accepted():
         (example,) = schemas[cls.__name__]["examples"]
         assert example == rq.REQUEST_EXAMPLES[path]
         rq.parse_request(cls, example)
+
+
+def test_vllm_extras_include_stop_str_and_a_negative_seed() -> None:
+    """include_stop_str_in_output reaches SamplingParams (it used to be dropped as an
+    unknown field); a negative seed is valid (vLLM takes any signed 64-bit seed)."""
+    body = {"prompt": "x", "include_stop_str_in_output": True, "seed": -(2**63), "n": 2}
+    req = rq.parse_request(rq.CompletionRequest, body)
+    assert req.unknown_fields == []
+    params = req.to_sampling_params(default_max_tokens=16)
+    assert params.include_stop_str_in_output is True and params.seed == -(2**63)
+    assert (
+        rq.parse_request(rq.CompletionRequest, {"prompt": "x"})
+        .to_sampling_params(default_max_tokens=16)
+        .include_stop_str_in_output
+        is False
+    )

@@ -82,8 +82,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
-        """Raises ValueError if a stop string is empty (it would match at once)."""
+        """`min_tokens`: stop strings only match once the output has more ids than
+        this (vLLM's rule): a match must end in text that an update past the first
+        `min_tokens` ids released. Raises ValueError if a stop string is empty (it
+        would match at once)."""
         if isinstance(stop, str):
             stop = (stop,)
         if any(not s for s in stop):
@@ -117,6 +121,8 @@ class IncrementalDetokenizer:
 
         self._stopped_by: str | None = None
         self._finished = False
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # output ids seen
 
     @property
     def text(self) -> str:
@@ -145,6 +151,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("update() after finish(): the request has ended")
         if self._stopped_by is not None or not new_token_ids:
             return ""
+        self._num_tokens += len(new_token_ids)
         if len(self._ids) > 2 * self.CONTEXT_TOKENS:
             self._try_move_window()
         # Moves kept failing (not counting the last update's ids, which may be
@@ -227,7 +234,7 @@ class IncrementalDetokenizer:
         buf = self._recent + delta
         new_from = len(self._recent)  # buf[new_from:] is the new text
         unreleased_from = new_from - self._held
-        match = self._first_match(buf, new_from)
+        match = self._first_match(buf, new_from) if self._num_tokens > self._min_tokens else None
         if match is not None:
             start, stop = match
             cut = start + len(stop) if self._include_stop else start

@@ -41,6 +41,7 @@ class Update:
 class _Tracked:
     output: RequestOutput
     detoks: list[Any]  # one IncrementalDetokenizer (or None) per completion
+    include_stop: bool  # SamplingParams.include_stop_str_in_output
 
 
 class OutputProcessor:
@@ -74,10 +75,14 @@ class OutputProcessor:
                     prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
             )
         self.requests[request_id] = _Tracked(
-            RequestOutput(request_id, prompt, list(prompt_token_ids), outputs), detoks
+            RequestOutput(request_id, prompt, list(prompt_token_ids), outputs),
+            detoks,
+            params.include_stop_str_in_output,
         )
 
     def abort(self, request_id: str) -> None:
@@ -104,7 +109,12 @@ class OutputProcessor:
             detok = tracked.detoks[eo.index]
             finish_reason, stop_reason = eo.finish_reason, eo.stop_reason
             if detok is not None:
-                text = detok.update(eo.new_token_ids) if eo.new_token_ids else ""
+                ids = eo.new_token_ids
+                if eo.finish_reason == "stop" and ids and not tracked.include_stop:
+                    # The engine stopped on a token (EOS, stop_token_ids), which is the
+                    # last id: its text is not part of the output (vLLM's rule too).
+                    ids = ids[:-1]
+                text = detok.update(ids) if ids else ""
                 if detok.stopped_by is not None:
                     finish_reason, stop_reason = "stop", detok.stopped_by
                     if not eo.finished:
