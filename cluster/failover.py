@@ -15,7 +15,9 @@ error item that says what happened.
 
 Continuation is exact for greedy decoding; with sampling it is a valid
 continuation, not the one the dead replica would have produced (its random
-state is lost), and a stop string that straddles the break is not detected.
+state is lost). The continuation says how many of its prompt ids are output
+(`resumed`), so the new replica's text picks up where the old one's stopped: what
+that one held back still arrives, and a stop string across the break matches.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ class EngineStream:
             "request_id": f"{self.payload['request_id']}-c{self.continuations}",
             "prompt_token_ids": list(self.payload["prompt_token_ids"]) + self.generated,
             "sampling_params": params,
+            "resumed": done,
         }
         payload.pop("block_hashes", None)  # the opener hashes the new prompt
         if not planned:

@@ -153,6 +153,7 @@ def test_break_after_tokens_continues_elsewhere():
     assert cont["sampling_params"]["min_tokens"] == 0
     assert cont["sampling_params"]["n"] == 1
     assert cont["request_id"] == "req-c1"
+    assert cont["resumed"] == 2  # its prompt's last 2 ids are output already streamed
     assert "block_hashes" not in cont
     assert PAYLOAD["prompt_token_ids"] == [1, 2, 3]  # the original is untouched
     assert ("replica_failed", "r1") in events

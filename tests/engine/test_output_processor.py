@@ -76,3 +76,50 @@ def test_stop_strings_wait_for_min_tokens(smol):
     out = final.outputs[0]
     # the first "." came with token first_dot + 1 <= min_tokens: it does not stop
     assert (out.text, out.finish_reason, out.stop_reason) == (" Hi. How are you", "stop", ".")
+
+
+def _stream_over_a_break(tok, text: str, k: int, params: SamplingParams):
+    """`text`'s ids as output: the first `k` from one processor (the replica that
+    died), the rest from a second one given prompt + those ids with resumed=k (the
+    failover continuation). Returns (all streamed text, the final output's stop)."""
+    prompt, ids = tok.encode("Hello"), tok.encode(text)
+    first = OutputProcessor(tok)
+    first.add_request("r", None, prompt, params)
+    texts = []
+    for t in ids[:k]:
+        update = first.process([EngineCoreOutput("r", [t], None, None)])
+        texts += [d.text for d in update.deltas]
+        if update.finished:  # stopped before the break
+            return "".join(texts), update.finished[0].outputs[0].stop_reason
+    second = OutputProcessor(tok)
+    rest = SamplingParams(**{**params.__dict__, "min_tokens": max(0, params.min_tokens - k)})
+    second.add_request("r-c1", None, prompt + ids[:k], rest, resumed=k)
+    final = None
+    for i, t in enumerate(ids[k:]):
+        last = i == len(ids) - k - 1
+        update = second.process([EngineCoreOutput("r-c1", [t], "length" if last else None, None)])
+        texts += [d.text for d in update.deltas]
+        if update.finished:
+            final = update.finished[0]
+            break
+    assert final is not None
+    return "".join(texts), final.outputs[0].stop_reason
+
+
+def test_a_failover_continuation_loses_no_held_text(smol):
+    """The replica that died held back the first bytes of a character split over
+    tokens: the continuation's text picks up where its text stopped."""
+    text = " 日本語で話す and more"
+    n = len(smol.encode(text))
+    for k in range(1, n):
+        got, _ = _stream_over_a_break(smol, text, k, SamplingParams(max_tokens=50))
+        assert got == text, k
+
+
+def test_a_stop_string_across_a_failover_break_still_stops(smol):
+    text = " Hi.\nHow are you"
+    params = SamplingParams(max_tokens=50, stop=(".\n",))
+    n = len(smol.encode(text))
+    for k in range(1, n):
+        got, stop = _stream_over_a_break(smol, text, k, params)
+        assert (got, stop) == (" Hi", ".\n"), k

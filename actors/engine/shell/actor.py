@@ -275,7 +275,8 @@ class EngineReplica:
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request. payload: request_id, prompt_token_ids,
         sampling_params (SamplingParams fields), optional prompt, priority,
-        cache_salt. Yields {"type": "delta", ...} items, then {"type": "final"}
+        cache_salt, resumed (a failover continuation: how many of the prompt's last ids
+        are output streamed by another replica; `AsyncEngine.generate`). Yields {"type": "delta", ...} items, then {"type": "final"}
         or a single {"type": "error", "status", "message", "param"}."""
         engine = self._engine()
         if self.draining_since is not None:
@@ -297,6 +298,7 @@ class EngineReplica:
                 prompt=payload.get("prompt"),
                 priority=int(payload.get("priority", 0)),
                 cache_salt=payload.get("cache_salt"),
+                resumed=int(payload.get("resumed", 0)),
             )
             first = True
             async for item in stream:

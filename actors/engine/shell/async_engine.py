@@ -48,6 +48,7 @@ class _Add:
     prompt: str | None
     priority: int
     cache_salt: str | None
+    resumed: int = 0
 
 
 @dataclass
@@ -160,20 +161,31 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resumed: int = 0,
     ) -> AsyncIterator[Delta | RequestOutput]:
         """Stream a request's deltas, then its final RequestOutput. Raises
         RequestRejected before anything runs, EngineDeadError if the engine
         fails mid-way (after the tokens generated until then). Closing the generator
         early aborts the request. Each completion's first delta goes out at once; later
-        ones hold at least `stream_interval` tokens, but the last (its finish reason)."""
+        ones hold at least `stream_interval` tokens, but the last (its finish reason).
+        `resumed`: the last `resumed` prompt ids are output that another replica
+        generated and streamed (a failover continuation, n == 1): the text continues
+        from theirs (see `OutputProcessor.add_request`)."""
         if self.error is not None:
             raise EngineDeadError(self.dead_message)
         self.validate(prompt_token_ids)
+        if not 0 <= resumed < len(prompt_token_ids) or (resumed and params.n != 1):
+            raise ValueError(
+                f"resumed={resumed}: a continuation resumes fewer ids than its prompt holds, "
+                "with n == 1"
+            )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt))
+        self._inbox.put(
+            _Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt, resumed)
+        )
         done = False
         pending: Delta | RequestOutput | Exception | None = None
         held: dict[int, Delta] = {}  # completion index -> tokens not sent yet (interval)
@@ -337,7 +349,9 @@ class AsyncEngine:
         except ValueError as exc:
             self._send(cmd.request_id, exc)
             return
-        self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params)
+        self.processor.add_request(
+            cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params, resumed=cmd.resumed
+        )
         if self.metrics is not None:
             self.metrics.on_add(cmd.request_id, len(cmd.prompt_token_ids))
 

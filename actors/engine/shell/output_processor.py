@@ -58,27 +58,39 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        *,
+        resumed: int = 0,
     ) -> None:
+        """Track a request. `resumed` > 0: the last `resumed` prompt ids are output
+        that another replica generated, and whose text it streamed (a failover
+        continuation, n == 1). The detokenizer then starts where that replica's was:
+        over the ids before them as the prompt, fed those ids without passing on their
+        text. So the text it held back (the first bytes of a character, a possible
+        start of a stop string) still reaches the client, a stop string across the
+        break still matches, and min_tokens (the rest of it, in `params`) counts on."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         outputs = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)]
         detoks: list[Any] = []
+        cut = len(prompt_token_ids) - resumed
         for _ in range(params.n):
             if self.tokenizer is None:
                 detoks.append(None)
                 continue
             from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer
 
-            detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens,
-                )
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids[:cut],
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                # the resumed ids count, and were checked: no match among them
+                min_tokens=params.min_tokens + resumed,
             )
+            if resumed:
+                detok.update(prompt_token_ids[cut:])  # streamed by the other replica
+            detoks.append(detok)
         self.requests[request_id] = _Tracked(
             RequestOutput(request_id, prompt, list(prompt_token_ids), outputs),
             detoks,
