@@ -314,9 +314,23 @@ class AuthGuard:
     def from_config(
         cls, auth: Mapping[str, Any], environ: Mapping[str, str] | None = None
     ) -> AuthGuard:
-        """The guard of a `server.auth` dict (keys read now; see `load_keys`)."""
+        """The guard of a `server.auth` dict (keys read now; see `load_keys`).
+
+        Raises:
+            AuthConfigError: `require_keys` is on and no keys were found (fail closed),
+                or a keys source is bad (`load_keys`).
+        """
+        store = load_keys(auth, environ)
+        if auth.get("require_keys") and not store:
+            raise AuthConfigError(
+                "server.auth.require_keys is on but no API keys were found here (environment "
+                f"variable {auth.get('keys_env')!r}, keys_file {auth.get('keys_file')!r}): "
+                "export the keys on every node that may run an ingress replica (the Helm "
+                "chart does, from apiKeys.secretName), or pin the ingress with "
+                "server.ingress_resources"
+            )
         return cls(
-            load_keys(auth, environ),
+            store,
             auth.get("open_paths", ("/health", "/health/live", "/metrics")),
             default_max_concurrent_requests=auth.get("default_max_concurrent_requests"),
             default_tokens_per_minute=auth.get("default_tokens_per_minute"),

@@ -652,6 +652,11 @@ class AuthConfig(_Section):
     keys_file: str | None = Field(None, min_length=1)
     """Path of a keys file, read by the ingress at start (keys from `keys_env` and this
     file are merged). Null: none."""
+    require_keys: bool = False
+    """Fail closed: an ingress replica that finds no keys refuses to start instead of
+    serving an open API. Every replica reads the keys in its own process, so one placed
+    on a node where they are missing would otherwise answer without any. The Helm chart
+    turns it on when it exports keys (`apiKeys.secretName`)."""
     open_paths: list[Annotated[str, Field(pattern=r"^/\S*$")]] = Field(
         default_factory=lambda: ["/health", "/health/live", "/metrics"]
     )

@@ -87,6 +87,17 @@ def test_load_keys_from_the_variable_and_the_file(tmp_path: Any) -> None:
         load_keys(auth, {"SPUR_API_KEYS": '["sk-from-file-1"]'})
 
 
+def test_require_keys_fails_closed_where_no_keys_are_found() -> None:
+    """An ingress replica placed where the keys are not exported must not serve an
+    open API when the deployment has keys (the Helm chart turns require_keys on)."""
+    auth = {"keys_env": "SPUR_API_KEYS", "keys_file": None, "require_keys": True}
+    with pytest.raises(AuthConfigError, match="require_keys is on but no API keys") as info:
+        AuthGuard.from_config(auth, {})
+    assert "export the keys on every node" in str(info.value)
+    assert AuthGuard.from_config(auth, {"SPUR_API_KEYS": "[sk-from-env-1]"}).enabled
+    assert not AuthGuard.from_config({**auth, "require_keys": False}, {}).enabled
+
+
 def test_guard_routes() -> None:
     g = guard()
     # open paths need nothing

@@ -670,6 +670,7 @@ OUTSIDE: dict[str, tuple[Any, Callable[[Any], tuple[Any, Any]]]] = {
         None,  # a temporary file
         lambda o: (o.ingress.guard.check("/v1/models", "Bearer sk-file-reach").name, "from-file"),
     ),
+    "server.auth.require_keys": (True, lambda o: (o.keyless_ingress_refused, True)),
     "server.auth.open_paths": (
         ["/health"],
         lambda o: (o.ingress.guard.open_paths, ("/health",)),
@@ -732,7 +733,7 @@ def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     from spur.cluster import metrics as M
     from spur.cluster import server as server_mod
     from spur.cluster.app import build_app
-    from spur.cluster.auth import install_guard
+    from spur.cluster.auth import AuthConfigError, install_guard
     from spur.cluster.ingress import Ingress
     from spur.configs.loader import config_to_dict
 
@@ -750,6 +751,16 @@ def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     ingress = cls.__new__(cls)
     cls.__init__(ingress, dict.fromkeys(["chat", "code", "backup"]), config_to_dict(cfg))
     ingress.pool.shutdown()
+    # The same ingress on a node without the keys: require_keys makes it refuse to start.
+    keyless = config_to_dict(cfg)
+    keyless["server"]["auth"]["keys_file"] = None
+    with monkeypatch.context() as env:
+        env.delenv(KEYS_ENV)
+        try:
+            cls.__init__(cls.__new__(cls), dict.fromkeys(["chat", "code", "backup"]), keyless)
+            keyless_refused = False
+        except AuthConfigError:
+            keyless_refused = True
 
     # cluster.server.start against recorders of Ray's entry points.
     calls: list[tuple[str, dict[str, Any]]] = []
@@ -776,6 +787,7 @@ def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         ray_join=inits[1],
         serve_start=next(kw for name, kw in calls if name == "start"),
         version_2_refused=refused,
+        keyless_ingress_refused=keyless_refused,
     )
     # The ingress installs process-wide state (its key guard, the HTTP metrics switch).
     install_guard(None)

@@ -382,6 +382,22 @@ def test_preset_passed_whole_as_text(render: Any, preset: str) -> None:
     assert chat["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
 
 
+@pytest.mark.parametrize("preset", ["two-lanes", "gpu-h200-tp2"])
+def test_exported_keys_make_the_embedded_config_require_them(render: Any, preset: str) -> None:
+    """With apiKeys, the app gets the preset's config with server.auth.require_keys on,
+    unless the config sets it itself; everything else arrives unchanged."""
+    text = preset_path(preset).read_text()
+    keys = {"apiKeys": {"secretName": "spur-keys", "key": "keys"}}
+    rayservice = the(render({"spurConfigYaml": text, **keys}), "RayService")
+    want = load_config(preset)
+    want.server.auth.require_keys = True
+    assert embedded_config(rayservice) == want
+    tree = yaml.safe_load(text)
+    tree.setdefault("server", {}).setdefault("auth", {})["require_keys"] = False
+    rayservice = the(render({"spurConfigYaml": yaml.safe_dump(tree), **keys}), "RayService")
+    assert embedded_config(rayservice).server.auth.require_keys is False
+
+
 def test_defaults_of_the_templates_match_the_schema(render: Any) -> None:
     """A config that leaves everything to its defaults derives what pydantic derives."""
     tree = {
@@ -456,6 +472,12 @@ def test_storage_secrets_and_placement(render: Any) -> None:
     keys = [e for e in head["containers"][0]["env"] if e["name"] == "SPUR_API_KEYS"]
     assert keys[0]["valueFrom"]["secretKeyRef"] == {"name": "spur-keys", "key": "keys"}
     chat = spec["workerGroupSpecs"][0]["template"]["spec"]
+    # every pod: an ingress replica reads the keys wherever Ray places it
+    keys = [e for e in chat["containers"][0]["env"] if e["name"] == "SPUR_API_KEYS"]
+    assert keys[0]["valueFrom"]["secretKeyRef"] == {"name": "spur-keys", "key": "keys"}
+    # and a replica that finds none fails to start rather than serve an open API
+    args = serve_config(the(docs, "RayService"))["applications"][0]["args"]
+    assert parse_config(args["config"]).server.auth.require_keys is True
     assert chat["volumes"][1]["hostPath"]["path"] == "/mnt/models"
     assert chat["containers"][0]["volumeMounts"][0]["mountPath"] == "/dev/shm"
     assert chat["nodeSelector"] == {"pool": "h200"}

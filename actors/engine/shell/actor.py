@@ -276,8 +276,9 @@ class EngineReplica:
         """Stream one request. payload: request_id, prompt_token_ids,
         sampling_params (SamplingParams fields), optional prompt, priority,
         cache_salt, resumed (a failover continuation: how many of the prompt's last ids
-        are output streamed by another replica; `AsyncEngine.generate`). Yields {"type": "delta", ...} items, then {"type": "final"}
-        or a single {"type": "error", "status", "message", "param"}."""
+        are output streamed by another replica; `AsyncEngine.generate`). Yields
+        {"type": "delta", ...} items, then {"type": "final"} or a single
+        {"type": "error", "status", "message", "param"}."""
         engine = self._engine()
         if self.draining_since is not None:
             yield {

@@ -143,6 +143,14 @@ Environment of every Ray container.
   value: "1"
 - name: HF_HUB_OFFLINE
   value: "1"
+{{- /* In every pod: an ingress replica reads the keys wherever Ray places it. */ -}}
+{{- with .Values.apiKeys.secretName }}
+- name: SPUR_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.apiKeys.key }}
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
