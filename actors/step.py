@@ -20,6 +20,7 @@ Pure data and an abstract class: this module imports only the standard library.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,7 +62,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence from the logit of generated tokens. [-2, 2]."""
     repetition_penalty: float = 1.0
-    """Divides positive (multiplies negative) logits of prompt and output tokens. (0, 2]."""
+    """Divides positive (multiplies negative) logits of prompt and output tokens. > 0
+    (1 disables), as in vLLM."""
     max_tokens: int = 16
     """Most tokens to generate (>= 1)."""
     min_tokens: int = 0
@@ -122,8 +124,8 @@ class SamplingParams:
             raise bad("presence_penalty", self.presence_penalty, "[-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", self.frequency_penalty, "[-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "(0, 2]")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -73,6 +73,8 @@ class _Nested(BaseModel):
 class StreamOptions(_Nested):
     include_usage: Bool | None = False
     """Send a last chunk with empty `choices` and the request's `usage`."""
+    continuous_usage_stats: Bool | None = False
+    """vLLM's extra: with include_usage, every chunk carries its choice's usage so far."""
 
 
 class TextPart(_Nested):
@@ -193,6 +195,15 @@ class _Request(_TopLevel):
     """Scheduling priority (lower runs first, as in vLLM); carried in `extra`."""
     cache_salt: Str | None = None
     """Separates this request's prefix-cache entries from others'; carried in `extra`."""
+    prompt_logprobs: Int | None = None
+    """vLLM's extra; not supported (refused rather than ignored)."""
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise _unsupported("remove it", "prompt_logprobs")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -226,6 +237,13 @@ class _Request(_TopLevel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries its choice's usage so far (vLLM's
+        `continuous_usage_stats`, which needs include_usage)."""
+        opts = self.stream_options
+        return self.include_usage and bool(opts and opts.continuous_usage_stats)
 
     @property
     def num_choices(self) -> int:

@@ -409,7 +409,12 @@ class ChunkStream:
         include_usage: bool = False,
         token_str: TokenStr | None = None,
         num_top_logprobs: int | None = None,
+        continuous_usage: bool = False,
+        prompt_lens: Sequence[int] | None = None,
     ) -> None:
+        """`continuous_usage` (vLLM's continuous_usage_stats): every chunk of a choice
+        carries that choice's usage so far, its prompt's tokens (`prompt_lens`, one per
+        prompt; default: `prompt_tokens` spread as one prompt) and its tokens."""
         self.chat = chat
         self.request_id = request_id
         self.model = model
@@ -421,6 +426,9 @@ class ChunkStream:
         self.token_str = token_str
         self.num_top_logprobs = num_top_logprobs
         self.completion_tokens = 0
+        self.continuous_usage = continuous_usage and include_usage
+        self._prompt_lens = list(prompt_lens) if prompt_lens is not None else [prompt_tokens]
+        self._tokens = [0] * self.num_choices
         self._started = [False] * self.num_choices
         self._finished = [False] * self.num_choices
         self._text_len = [0] * self.num_choices
@@ -435,6 +443,7 @@ class ChunkStream:
         created: int,
         prompt_tokens: int,
         token_str: TokenStr | None = None,
+        prompt_lens: Sequence[int] | None = None,
     ) -> ChunkStream:
         """A stream set up from the request's n, prompts, stream_options and logprobs."""
         chat = isinstance(request, ChatCompletionRequest)
@@ -449,6 +458,8 @@ class ChunkStream:
             include_usage=request.include_usage,
             token_str=token_str,
             num_top_logprobs=request.num_top_logprobs,
+            continuous_usage=request.continuous_usage,
+            prompt_lens=prompt_lens,
         )
 
     @property
@@ -466,17 +477,28 @@ class ChunkStream:
         if self._started[index]:
             return []
         self._started[index] = True
-        return [
-            chat_chunk(
-                self.request_id,
-                self.model,
-                self.created,
-                index,
-                role="assistant",
-                content="",
-                include_usage=self.include_usage,
-            )
-        ]
+        chunk = chat_chunk(
+            self.request_id,
+            self.model,
+            self.created,
+            index,
+            role="assistant",
+            content="",
+            include_usage=self.include_usage,
+        )
+        return [self._with_usage(chunk, index)]
+
+    def _with_usage(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        """`chunk` with its choice's usage so far, under continuous usage."""
+        if self.continuous_usage:
+            prompt = self._prompt_lens[min(index // self.n, len(self._prompt_lens) - 1)]
+            done = self._tokens[index]
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": done,
+                "total_tokens": prompt + done,
+            }
+        return chunk
 
     def update(
         self,
@@ -491,6 +513,7 @@ class ChunkStream:
         if self._finished[index]:
             return []
         self.completion_tokens += len(delta.token_ids)
+        self._tokens[index] += len(delta.token_ids)
         lp = None
         if logprobs and self.token_str is not None and self.num_top_logprobs is not None:
             ids = delta.token_ids
@@ -509,33 +532,30 @@ class ChunkStream:
         self._text_len[index] += len(delta.text)
         self._finished[index] = delta.finish_reason is not None
         if not self.chat:
-            return [
-                completion_chunk(
-                    self.request_id,
-                    self.model,
-                    self.created,
-                    index,
-                    delta.text,
-                    logprobs=lp,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                    include_usage=self.include_usage,
-                )
-            ]
-        return [
-            *self._role_chunk(index),
-            chat_chunk(
+            chunk = completion_chunk(
                 self.request_id,
                 self.model,
                 self.created,
                 index,
-                content=delta.text if delta.text or lp is not None else None,
+                delta.text,
                 logprobs=lp,
                 finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
                 include_usage=self.include_usage,
-            ),
-        ]
+            )
+            return [self._with_usage(chunk, index)]
+        chunk = chat_chunk(
+            self.request_id,
+            self.model,
+            self.created,
+            index,
+            content=delta.text if delta.text or lp is not None else None,
+            logprobs=lp,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            include_usage=self.include_usage,
+        )
+        return [*self._role_chunk(index), self._with_usage(chunk, index)]
 
     def finish(self, cached_tokens: int = 0) -> list[dict[str, Any]]:
         """The usage chunk (empty choices) when the request asked for usage, else []."""

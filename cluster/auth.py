@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spur.actors.engine.core.hashing import tenant_salt
 from spur.cluster.errors import ProtocolError, error_body
 
 logger = logging.getLogger(__name__)
@@ -271,6 +272,17 @@ def is_open_path(path: str, open_paths: Sequence[str]) -> bool:
 
 def needs_admin(path: str) -> bool:
     return path == "/admin" or path.startswith("/admin/")
+
+
+def request_salt(principal: Principal | None, keys_on: bool, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request (`tenant_salt`): its key's tenant's scope.
+    A request without a key while keys are on (an open path serving the API) gets a
+    scope of its own, the empty tenant, which no key can have (tenants are 1 to 128
+    characters): else its raw `cache_salt` could spell a tenant's scope ("t4:acme") and
+    share that tenant's cached blocks. Keys off (no tenants): `cache_salt` unchanged."""
+    if principal is not None:
+        return tenant_salt(principal.tenant, cache_salt)
+    return tenant_salt("", cache_salt) if keys_on else cache_salt
 
 
 def bearer_token(header: str | None) -> str | None:

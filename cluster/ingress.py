@@ -31,7 +31,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from spur.actors.engine.core.hashing import tenant_salt
 from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
 from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
 from spur.actors.engine.shell.output_processor import Delta
@@ -40,7 +39,7 @@ from spur.actors.step import Logprobs
 from spur.cluster import api_requests as rq
 from spur.cluster import api_responses as rs
 from spur.cluster import metrics as M
-from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard
+from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard, request_salt
 from spur.cluster.errors import (
     ProtocolError,
     bad_request,
@@ -620,8 +619,7 @@ class Ingress:
         sp = _params_dict(params)
         principal: Principal | None = getattr(request.state, "principal", None) if request else None
         salt = params.extra.get("cache_salt")
-        if principal is not None:  # tenants never share prefix-cache blocks
-            salt = tenant_salt(principal.tenant, salt)
+        salt = request_salt(principal, self.guard.enabled, salt)  # tenants never share
         prompt_tokens = sum(len(p) for p in prompts)
         limits, lease = await self._admit(principal, prompt_tokens)
         payloads = [
@@ -666,6 +664,7 @@ class Ingress:
                     created=created,
                     prompt_tokens=prompt_tokens,
                     token_str=token_str,
+                    prompt_lens=[len(p) for p in prompts],
                 )
                 return _ClosingStreamingResponse(
                     self._sse(stream, fan, release),

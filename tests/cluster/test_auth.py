@@ -15,11 +15,13 @@ from spur.cluster.auth import (
     AuthGuard,
     AuthMiddleware,
     KeyStore,
+    Principal,
     bearer_token,
     install_guard,
     is_loopback,
     load_keys,
     parse_keys,
+    request_salt,
 )
 from spur.cluster.errors import ProtocolError, classify
 
@@ -216,3 +218,14 @@ def test_one_error_classifier() -> None:
 def test_is_loopback() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+
+
+def test_a_request_without_a_key_never_gets_a_tenants_scope() -> None:
+    """With keys on, a request on an open path (no principal) cannot spell a tenant's
+    scope in its cache_salt and share that tenant's cached blocks."""
+    acme = Principal("k", "alice", "acme", False, None, None)
+    scope = request_salt(acme, True, None)
+    assert scope == tenant_salt("acme", None) == "t4:acme"
+    assert request_salt(None, True, "t4:acme") != scope
+    assert request_salt(None, True, None) != scope
+    assert request_salt(None, False, "x") == "x"  # keys off: no tenants, salt unchanged

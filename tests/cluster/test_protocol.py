@@ -121,6 +121,7 @@ class FakeServer:
             created=created,
             prompt_tokens=prompt_tokens,
             token_str=token_str,
+            prompt_lens=[len(PROMPT_IDS)] * num_prompts,
         )
         events = [rs.sse(c) for c in stream.start()]
         for pi, out in enumerate(outputs):
@@ -281,6 +282,35 @@ def test_client_completion_stream_with_usage_and_logprobs(client: openai.OpenAI)
     offsets = [ch.logprobs.text_offset[0] for ch in zero]  # type: ignore[index, union-attr]
     assert offsets == [0, 3, 6]  # continue across chunks
     assert zero[0].logprobs.top_logprobs == [{"t1 ": -0.5}]  # logprobs=0: the sampled one  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_client_stream_with_continuous_usage(client: openai.OpenAI, chat: bool) -> None:
+    """vLLM's continuous_usage_stats: every chunk carries its choice's usage so far
+    (its own prompt's tokens, its own tokens), the last one the request's total."""
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    if chat:
+        messages: Any = [{"role": "user", "content": "x"}]
+        stream: Any = client.chat.completions.create(
+            model=MODEL, messages=messages, n=2, stream=True, stream_options=options
+        )
+    else:
+        stream = client.completions.create(
+            model=MODEL, prompt=["a", "b"], n=2, stream=True, stream_options=options
+        )
+    chunks = list(stream)
+    per_choice: dict[int, list[int]] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        assert c.usage is not None and c.usage.prompt_tokens == len(PROMPT_IDS)
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        per_choice.setdefault(choice.index, []).append(c.usage.completion_tokens)
+    assert set(per_choice) == ({0, 1} if chat else {0, 1, 2, 3})
+    for counts in per_choice.values():  # 3 tokens a choice, one a chunk
+        assert counts[-3:] == [1, 2, 3] and counts == sorted(counts)
+    total = chunks[-1].usage
+    assert chunks[-1].choices == [] and total is not None
+    assert total.completion_tokens == 3 * len(per_choice)
 
 
 def test_client_models_and_errors(client: openai.OpenAI) -> None:
@@ -580,6 +610,7 @@ BAD_REQUESTS = [
         "structured output",
     ),
     ("chat", chat_body(stream_options={"include_usage": True}), "stream_options", "stream=true"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
     ("chat", chat_body(continue_final_message=True), "continue_final_message", "add_generation"),
 ]
 
@@ -611,6 +642,7 @@ SAMPLING_ERRORS = [
     ("chat", chat_body(max_completion_tokens=0, max_tokens=3), "max_completion_tokens"),
     ("chat", chat_body(max_tokens=0), "max_tokens"),
     ("chat", chat_body(repetition_penalty=0.0), "repetition_penalty"),
+    ("chat", chat_body(repetition_penalty=float("inf")), "repetition_penalty"),
     ("chat", chat_body(min_p=1.5), "min_p"),
 ]
 
@@ -695,6 +727,14 @@ def test_vllm_extras_include_stop_str_and_a_negative_seed() -> None:
     assert req.unknown_fields == []
     params = req.to_sampling_params(default_max_tokens=16)
     assert params.include_stop_str_in_output is True and params.seed == -(2**63)
+    # any positive repetition_penalty, as vLLM (it used to stop at 2)
+    body = {"prompt": "x", "repetition_penalty": 3.5}
+    assert (
+        rq.parse_request(rq.CompletionRequest, body)
+        .to_sampling_params(default_max_tokens=16)
+        .repetition_penalty
+        == 3.5
+    )
     assert (
         rq.parse_request(rq.CompletionRequest, {"prompt": "x"})
         .to_sampling_params(default_max_tokens=16)
