@@ -299,9 +299,11 @@ class LaneOpener:
 
     async def _first_item(self, name: str, first: asyncio.Future[Any]) -> None:
         """Wait for a request's first item, in slices: give up (a retriable 503) when
-        the lane moved to its spare because its primaries went down, or when the
-        target has had no healthy replica for NO_REPLICA_TIMEOUT_S (Serve would
-        otherwise hold the request until a replica comes back, maybe never)."""
+        the lane moved to its spare because its primaries went down, when it moved
+        back to its primaries while the request waits on a spare with no healthy
+        replica, or when the target has had no healthy replica for
+        NO_REPLICA_TIMEOUT_S (Serve would otherwise hold the request until a replica
+        comes back, maybe never)."""
         lane, selector = self.lane, self.monitor.selector
         loop = asyncio.get_running_loop()
         since: float | None = None
@@ -314,6 +316,12 @@ class LaneOpener:
             if moved and state is not None and state.reason != "saturated":
                 raise service_unavailable(
                     f"lane {lane.name!r} moved to its spare while the request waited"
+                )
+            back = name != lane.name and selector.target(lane.name) != name
+            if back and self.monitor.lanes[name].healthy == 0:
+                raise service_unavailable(
+                    f"lane {lane.name!r} moved back to its primaries while the request "
+                    f"waited on its spare {name!r}, which has no healthy replica"
                 )
             if self.monitor.lanes[name].healthy == 0:
                 since = loop.time() if since is None else since

@@ -297,6 +297,30 @@ def test_a_request_waiting_on_a_lane_that_moves_to_its_spare_gives_up() -> None:
     asyncio.run(scenario())
 
 
+def test_a_request_waiting_on_a_dead_spare_goes_back_to_the_primaries() -> None:
+    """The lane moved back to its primaries while a request waited on its spare, which
+    has no healthy replica: it gives up at once (a retriable 503, retried on the
+    primaries) instead of waiting NO_REPLICA_TIMEOUT_S for the spare."""
+    s = Setup(healthy_after_s=0.0)
+
+    async def scenario() -> None:
+        assert s.selector.fail_over_now("chat", "down")
+        engine = Engine([{"type": "delta", "token_ids": [1]}], hold=asyncio.Event())
+        s.engines.append(engine)
+        opening = asyncio.ensure_future(s.opener()(dict(PAYLOAD), 0))
+        await asyncio.sleep(0)  # sent to the spare (no replica of it answers)
+        assert s.sent[-1][0] == "spare"
+        s.register("c1", "chat")
+        await s.monitor.poll()  # the primaries are back: the lane returns to them
+        assert s.selector.target("chat") == "chat" and s.lanes["spare"].healthy == 0
+        with pytest.raises(ProtocolError) as info:
+            await asyncio.wait_for(opening, timeout=5)
+        assert info.value.status == 503 and "moved back to its primaries" in info.value.message
+        assert is_retriable(info.value) and engine.cancelled
+
+    asyncio.run(scenario())
+
+
 def test_no_new_attempt_while_draining() -> None:
     s = Setup()
 
