@@ -367,11 +367,15 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         model, serves = models.get(lane, (lane, lane))
         labels = [model, rid, lane, serves]
         snap = entry["snapshot"]
+        # Counters and histograms of a replica that left or failed stay (their totals
+        # happened); its gauges (running, waiting, KV usage, blocks held) do not: the
+        # last report of a dead replica is not what it runs now.
+        live = not health or (rid in health and bool(health[rid][1].get("healthy")))
         for name, value in snap.get("counters", {}).items():
             if name in counters:
                 counters[name].add_metric(labels, value)
         for name, value in snap.get("gauges", {}).items():
-            if name in gauges:
+            if name in gauges and live:
                 gauges[name].add_metric(labels, value)
         for reason, n in sorted(snap.get("request_success", {}).items()):
             success.add_metric([*labels, reason], n)
@@ -382,7 +386,7 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
             hists[name].add_metric(
                 labels, list(zip(bounds, h["cumulative"], strict=True)), h["sum"]
             )
-        for g in snap.get("capacity", ()):
+        for g in snap.get("capacity", ()) if live else ():
             gl = [*labels, str(g["group"]), g["kind"]]
             held.add_metric(gl, g["held"])
             geometry.add_metric(gl, g["geometry"])

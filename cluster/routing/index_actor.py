@@ -109,9 +109,12 @@ class KVIndexActor:
         self.draining = reason
         self.draining_ids = set(self.index.replicas) if reason is not None else set()
 
-    def record_drain(self, report: dict[str, Any]) -> None:
-        """A replica finished its drain (EngineReplica.drain's report)."""
+    def record_drain(self, report: dict[str, Any], metrics: dict[str, Any] | None = None) -> None:
+        """A replica finished its drain (EngineReplica.drain's report, with its last
+        metrics snapshot: it has left the index, and its publish loop has stopped)."""
         self.drain_reports = [*self.drain_reports[-999:], dict(report)]
+        if metrics is not None and report.get("replica_id") and report.get("lane"):
+            self.store.update_engine(report["replica_id"], report["lane"], metrics)
 
     def drained(self) -> list[dict[str, Any]]:
         """The drain reports so far (`spur serve` logs them before it exits)."""

@@ -170,3 +170,122 @@ def test_state_groups_are_reported_per_group() -> None:
     assert [g["kind"] for g in snap["capacity"]] == ["full", "state"]
     assert all(g["peak_ratio"] <= 1.0 for g in snap["capacity"])
     assert metrics.leak_violations == 0
+
+
+# -- request phases and counts as vLLM defines them ------------------------------------------
+class StepClock:
+    """A clock that only the forward moves: each forward takes `step_s`."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_timed(core, sched, fake, metrics, clock, step_s=0.5):  # type: ignore[no-untyped-def]
+    """Step to the end as the AsyncEngine does (the clock read before each step)."""
+    forward = fake.execute_model
+
+    def slow(out):  # type: ignore[no-untyped-def]
+        clock.now += step_s
+        return forward(out)
+
+    fake.execute_model = slow
+    while core.has_unfinished_requests():
+        started = clock()
+        outs, stats = core.step()
+        metrics.on_step(outs, stats, sched, started=started)
+
+
+def test_prefill_is_the_first_forward_and_not_queue_time():
+    clock = StepClock()
+    core, sched, fake = make_engine(num_blocks=128, budget=64)
+    metrics = EngineMetrics(max_model_len=256, clock=clock)
+    core.add_request(sched.make_request("a", list(range(20)), SamplingParams(max_tokens=4)))
+    metrics.on_add("a", 20, arrival=0.0)
+    run_timed(core, sched, fake, metrics, clock)
+    h = metrics.snapshot()["histograms"]
+    sums = {k.split(":")[1]: h[k]["sum"] for k in h if h[k]["count"]}
+    assert sums["request_queue_time_seconds"] == 0.0  # scheduled at once
+    assert sums["request_prefill_time_seconds"] == 0.5  # its one prefill forward
+    assert sums["time_to_first_token_seconds"] == 0.5
+    assert sums["request_decode_time_seconds"] == 1.5
+    assert sums["request_inference_time_seconds"] == sums["e2e_request_latency_seconds"] == 2.0
+
+
+def test_each_completion_of_an_n_request_is_a_request():
+    clock = StepClock()
+    core, sched, fake = make_engine(num_blocks=128, budget=64)
+    metrics = EngineMetrics(max_model_len=256, clock=clock)
+    params = SamplingParams(max_tokens=5, n=3, ignore_eos=True)
+    core.add_request(sched.make_request("a", list(range(20)), params))
+    metrics.on_add("a", 20, n=3, arrival=0.0)
+    run_timed(core, sched, fake, metrics, clock)
+    snap = metrics.snapshot()
+    h = snap["histograms"]
+    assert snap["request_success"]["length"] == 3
+    assert h["vllm:request_generation_tokens"]["sum"] == snap["counters"]["vllm:generation_tokens"]
+    assert h["vllm:time_to_first_token_seconds"]["count"] == 3
+    assert h["vllm:e2e_request_latency_seconds"]["count"] == 3
+    assert metrics._requests == {} and metrics._open == {}
+
+
+def test_an_abort_ends_every_completion_of_the_request():
+    core, sched, _fake = make_engine(num_blocks=128, budget=64)
+    metrics = EngineMetrics(max_model_len=256, clock=Clock())
+    params = SamplingParams(max_tokens=50, n=2, ignore_eos=True)
+    core.add_request(sched.make_request("a", list(range(20)), params))
+    metrics.on_add("a", 20, n=2)
+    for _ in range(3):
+        outs, stats = core.step()
+        metrics.on_step(outs, stats, sched)
+    sched.abort_requests("a")
+    metrics.on_abort("a")
+    metrics.refresh_gauges(sched)
+    snap = metrics.snapshot()
+    assert snap["request_success"]["abort"] == 2
+    assert snap["gauges"]["vllm:num_requests_running"] == 0  # no step follows an abort
+    assert snap["gauges"]["vllm:kv_cache_usage_perc"] == 0.0
+    assert metrics._requests == {} and metrics._open == {}
+
+
+def test_inter_token_latency_is_one_observation_per_step():
+    """Accepted drafts bring several tokens in one step: vLLM records one ITL, the
+    step's, not one share per token (which would look several times faster)."""
+    clock = StepClock()
+    core, sched, fake = make_engine(num_blocks=128, budget=64)
+    metrics = EngineMetrics(max_model_len=256, clock=clock)
+    core.add_request(sched.make_request("a", list(range(20)), SamplingParams(max_tokens=10)))
+    metrics.on_add("a", 20, arrival=0.0)
+    forward = fake.execute_model
+
+    def two_tokens_a_step(out):  # type: ignore[no-untyped-def]
+        res = forward(out)
+        for rid, toks in res.sampled_token_ids.items():
+            if toks and sched.requests[rid].num_output_tokens:
+                res.sampled_token_ids[rid] = [*toks, 5]  # as if a draft was accepted
+        return res
+
+    fake.execute_model = two_tokens_a_step
+    run_timed(core, sched, fake, metrics, clock)
+    itl = metrics.snapshot()["histograms"]["vllm:inter_token_latency_seconds"]
+    assert itl["count"] >= 1 and itl["sum"] == 0.5 * itl["count"]
+
+
+def test_prefix_lookups_count_once_per_request():
+    """A request that waits at the head of the queue for blocks, or comes back after a
+    preemption, is one query of its prompt (vllm:prefix_cache_queries)."""
+    core, sched, _fake = make_engine(num_blocks=10, block_size=4, budget=64, max_model_len=36)
+    metrics = EngineMetrics(max_model_len=36, clock=Clock())
+    ps = prompts(4, 12, seed=3)
+    for i, p in enumerate(ps):
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        core.add_request(sched.make_request(f"r{i}", p, params))
+        metrics.on_add(f"r{i}", len(p))
+    while core.has_unfinished_requests():
+        outs, stats = core.step()
+        metrics.on_step(outs, stats, sched)
+    counters = metrics.snapshot()["counters"]
+    assert counters["vllm:num_preemptions"] > 0  # the pool was tight
+    assert counters["vllm:prefix_cache_queries"] == sum(len(p) for p in ps)

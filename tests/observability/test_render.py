@@ -88,3 +88,36 @@ def test_routes_are_bounded() -> None:
     assert route_of("/admin/lanes") == "/admin/lanes"
     assert route_of("/admin/a/b") == "/admin/other"
     assert route_of("/wp-login.php") == "other"
+
+
+def test_a_failed_or_departed_replica_keeps_its_totals_but_not_its_gauges() -> None:
+    """r1 died running 7 requests, r2 replaced it idle, r3 drained away (no longer in
+    the index): the sum of vllm:num_requests_running over engines is r2's 0, not 7."""
+    store = MetricsStore(retain_s=600, clock=Clock())
+    for rid, running in (("r1", 7), ("r2", 0), ("r3", 2)):
+        m = EngineMetrics(max_model_len=128)
+        m.prompt_tokens, m.num_running = 10, running
+        store.update_engine(rid, "chat", m.snapshot())
+    replicas = [
+        {"replica_id": "r1", "healthy": False, "node": "n1"},
+        {"replica_id": "r2", "healthy": True, "node": "n1"},
+    ]
+    view = {"store": store.view(), "lanes": {"chat": {"replicas": replicas}}}
+    got = samples(render(view, CONFIG).decode())
+    running = {lab["engine"]: v for lab, v in got["vllm:num_requests_running"]}
+    assert running == {"r2": 0.0}
+    prompt = {lab["engine"]: v for lab, v in got["vllm:prompt_tokens_total"]}
+    assert prompt == {"r1": 10.0, "r2": 10.0, "r3": 10.0}  # totals stay
+
+
+def test_a_drained_replicas_last_snapshot_reaches_the_store() -> None:
+    """A draining replica leaves the index and stops publishing when the drain begins;
+    the requests it finishes meanwhile reach /metrics with its drain report."""
+    from spur.cluster.routing.index_actor import KVIndexActor
+
+    actor = KVIndexActor(heartbeat_timeout_s=3.0)
+    actor.register("r1", "chat", "n1")
+    actor.leave("r1")
+    actor.record_drain({"replica_id": "r1", "lane": "chat", "finished": 3}, engine_snapshot(42))
+    engines = actor.store.view()["engines"]
+    assert engines["r1"]["snapshot"]["counters"]["vllm:prompt_tokens"] == 42

@@ -132,13 +132,15 @@ class KVCacheManager:
         """Slots (tokens) each request's tables were last sized for."""
 
     # -- prefix cache -------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[Hits, int]:
+    def get_computed_blocks(self, request: Request, *, record: bool = True) -> tuple[Hits, int]:
         """The longest cached prefix that every group can serve, as per-group
         table entries (not yet referenced) and a token count.
 
         The last prompt token is never served from the cache (its logits are
         needed), so a full hit returns num_tokens - 1 rounded down to blocks.
-        Pure except for the query/hit statistics.
+        Pure except for the query/hit statistics, which `record=False` leaves to
+        the caller (`record_prefix_lookup`): the scheduler counts a request once,
+        when it is admitted, not at every step it waits at the head of the queue.
         """
         groups = len(self.managers)
         if not self.enable_caching or request.num_computed_tokens:
@@ -153,13 +155,21 @@ class KVCacheManager:
                 n = manager.longest_hit(hashes, n)
             if n == before:
                 break
+        if record:
+            self.record_prefix_lookup(request, n * self.block_size)
+        return [m.hit_blocks(hashes, n) for m in self.managers], n * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup of `request`: its tokens queried, `num_hit_tokens`
+        of them hits (vllm:prefix_cache_queries / _hits)."""
+        if not self.enable_caching:
+            return
         stats = self.prefix_stats
         stats.requests += 1
         stats.queries += request.num_tokens
-        stats.hits += n * self.block_size
+        stats.hits += num_hit_tokens
         stats.total_queries += request.num_tokens
-        stats.total_hits += n * self.block_size
-        return [m.hit_blocks(hashes, n) for m in self.managers], n * self.block_size
+        stats.total_hits += num_hit_tokens
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(

@@ -174,6 +174,11 @@ class Request:
             mm_spans=self.mm_spans,
         )
 
+    @staticmethod
+    def fork_id(request_id: str, index: int) -> str:
+        """The engine id of completion `index` (>= 1) of an n > 1 request."""
+        return f"{request_id}#{index}"
+
     def fork(self, child_id: str, index: int) -> Request:
         """A copy that shares this request's tokens so far (for n > 1).
 

@@ -294,13 +294,15 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting.peek()
-                hits, num_hit = kv.get_computed_blocks(req)
+                hits, num_hit = kv.get_computed_blocks(req, record=False)
                 num_new = self._num_new_tokens(req, budget, base=num_hit)
                 if num_new <= 0 and not self._fork_waits_for_admission(req, num_hit):
                     break
                 blocks = kv.allocate_slots(req, num_new, lookahead, hits, num_hit)
                 if blocks is None:
                     break
+                if req.num_preemptions == 0:  # once per request, as it is admitted
+                    kv.record_prefix_lookup(req, num_hit)
                 self.waiting.pop()
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit
@@ -387,7 +389,7 @@ class Scheduler:
             if n is None or parent.num_computed_tokens < parent.num_prompt_tokens - 1:
                 continue
             for index in range(len(self._children[rid]) + 1, n):
-                child = parent.fork(f"{rid}#{index}", index)
+                child = parent.fork(Request.fork_id(rid, index), index)
                 self.requests[child.request_id] = child
                 self._children[rid].append(child.request_id)
                 runs = len(self.running) < self.config.max_num_seqs

@@ -210,8 +210,11 @@ class EngineReplica:
         self.drain_report = report
         logger.warning("spur drain: %s", report)
         if self.index is not None:
+            # The publish loop stopped when the drain began: the requests that finished
+            # since reach /metrics through this last snapshot.
+            metrics = engine.metrics.snapshot() if engine.metrics is not None else None
             with contextlib.suppress(Exception):
-                await self.index.record_drain.remote({**report, "lane": self.lane})
+                await self.index.record_drain.remote({**report, "lane": self.lane}, metrics)
         return report
 
     async def _publish_loop(self) -> None:
@@ -266,6 +269,9 @@ class EngineReplica:
                     await self.index.resync.remote(self.replica_id, seq, hashes)
                 warned = False
             except Exception as exc:  # the index restarts: the next publish resyncs
+                # An index that stays up would never see these batches' removals (an
+                # idle replica's heartbeats carry no sequence number): send them again.
+                engine.return_kv_batches(batches)
                 if snapshot is not None and engine.metrics is not None:
                     engine.metrics.restore_window(snapshot)  # its worst ratios: next report
                 if not warned:

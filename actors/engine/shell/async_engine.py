@@ -49,6 +49,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     resumed: int = 0
+    arrival: float | None = None  # metrics clock, when the request reached the engine
 
 
 @dataclass
@@ -183,8 +184,11 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
+        arrival = self.metrics.clock() if self.metrics is not None else None
         self._inbox.put(
-            _Add(request_id, prompt_token_ids, params, prompt, priority, cache_salt, resumed)
+            _Add(
+                request_id, prompt_token_ids, params, prompt, priority, cache_salt, resumed, arrival
+            )
         )
         done = False
         pending: Delta | RequestOutput | Exception | None = None
@@ -275,6 +279,11 @@ class AsyncEngine:
             out.append(self.kv_batches.popleft())
         return out
 
+    def return_kv_batches(self, batches: list[dict[str, Any]]) -> None:
+        """Put back taken batches that did not reach the index, before any taken since
+        (resending is safe: the index skips sequence numbers it has applied)."""
+        self.kv_batches.extendleft(reversed(batches))
+
     @property
     def dead_message(self) -> str:
         """What clients are told once the engine failed (no traceback: that
@@ -335,6 +344,7 @@ class AsyncEngine:
                 self.processor.abort(cmd.request_id)
                 if self.metrics is not None:
                     self.metrics.on_abort(cmd.request_id)
+                    self.metrics.refresh_gauges(sched)  # no step may follow to do it
             return
         try:
             request = sched.make_request(
@@ -353,7 +363,9 @@ class AsyncEngine:
             cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params, resumed=cmd.resumed
         )
         if self.metrics is not None:
-            self.metrics.on_add(cmd.request_id, len(cmd.prompt_token_ids))
+            self.metrics.on_add(
+                cmd.request_id, len(cmd.prompt_token_ids), n=cmd.params.n, arrival=cmd.arrival
+            )
 
     def _run(self) -> None:
         try:
@@ -392,13 +404,14 @@ class AsyncEngine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        started = self.metrics.clock() if self.metrics is not None else 0.0
         outputs, stats = self.core.step()
         self.num_steps += 1
         update = self.processor.process(outputs)
         if update.to_finish:
             self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
         if self.metrics is not None:
-            self.metrics.on_step(outputs, stats, self.scheduler)
+            self.metrics.on_step(outputs, stats, self.scheduler, started=started)
             for rid in update.to_finish:
                 self.metrics.finish(rid, "stop")
         # One hand-over per step, not one per request: each wakes the event loop

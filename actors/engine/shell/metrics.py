@@ -2,9 +2,13 @@
 
 The engine thread feeds one `EngineMetrics` per engine:
 
-    on_add(req_id, num_prompt_tokens)      a request entered the engine
-    on_step(outputs, stats, scheduler)     after every EngineCore.step()
-    on_abort(req_id)                       a request left without finishing
+    on_add(req_id, num_prompt_tokens, n, arrival)   a request entered the engine
+    on_step(outputs, stats, scheduler, started)    after every EngineCore.step()
+    on_abort(req_id)                               a request left without finishing
+
+As in vLLM, each of an n > 1 request's completions counts as a request (its own
+success, latencies, prompt and generation tokens), and `arrival` is taken when the
+request reaches the engine's front (not when the engine thread next looks).
 
 and the replica's publisher takes `snapshot()` (cumulative counters, histogram
 buckets, gauges; JSON-safe) every stats period and pushes it to the cluster's
@@ -35,6 +39,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spur.actors.engine.core.request import Request
+
+fork_id = Request.fork_id
 # -- vLLM 0.33's default buckets (vllm/v1/metrics/loggers.py) ---------------------------
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -121,6 +128,7 @@ class _Timing:
 
     arrival: float
     num_prompt_tokens: int
+    parent: str = ""  # the request (n > 1: of its completions) it belongs to
     scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -212,27 +220,49 @@ class EngineMetrics:
         self.capacity_period_s = capacity_period_s
         self._last_capacity = -1e9
         self._requests: dict[str, _Timing] = {}
+        # request id -> [n, completions not finished yet], for an abort of the request
+        self._open: dict[str, list[int]] = {}
 
     # -- engine thread ----------------------------------------------------------------
-    def on_add(self, req_id: str, num_prompt_tokens: int) -> None:
-        self._requests[req_id] = _Timing(self.clock(), num_prompt_tokens)
+    def on_add(
+        self, req_id: str, num_prompt_tokens: int, n: int = 1, arrival: float | None = None
+    ) -> None:
+        """A request entered the engine, with `n` completions (forks `Request.fork_id`),
+        having arrived at `arrival` (this clock; default now)."""
+        arrival = self.clock() if arrival is None else arrival
+        self._requests[req_id] = _Timing(arrival, num_prompt_tokens, req_id)
+        for index in range(1, n):
+            self._requests[fork_id(req_id, index)] = _Timing(arrival, num_prompt_tokens, req_id)
+        self._open[req_id] = [n, n]
 
     def on_abort(self, req_id: str) -> None:
-        """A request aborted by its caller (client gone): no longer tracked; counted
-        as finished_reason "abort" only if it had started (vLLM counts aborts)."""
-        t = self._requests.pop(req_id, None)
-        if t is not None:
-            self.request_success["abort"] += 1
+        """A request aborted by its caller (client gone), with its completions: no
+        longer tracked; each counted as finished_reason "abort" (vLLM counts aborts)."""
+        n = self._open.pop(req_id, [1, 1])[0]
+        for rid in [req_id, *(fork_id(req_id, i) for i in range(1, n))]:
+            if self._requests.pop(rid, None) is not None:
+                self.request_success["abort"] += 1
 
-    def on_step(self, outputs: Sequence[Any], stats: Any, scheduler: Any) -> None:
+    def refresh_gauges(self, scheduler: Any) -> None:
+        """Running, waiting and KV usage from `scheduler` now (after an abort, when no
+        step may follow to report them)."""
+        self.num_running = len(scheduler.running)
+        self.num_waiting = len(scheduler.waiting)
+        self.kv_usage = scheduler.kv.usage
+
+    def on_step(
+        self, outputs: Sequence[Any], stats: Any, scheduler: Any, started: float | None = None
+    ) -> None:
         """After one step: `outputs` are its EngineCoreOutputs, `stats` its
-        SchedulerStats, `scheduler` the engine's Scheduler (read only)."""
+        SchedulerStats, `scheduler` the engine's Scheduler (read only), `started` the
+        clock before the step (when its requests were scheduled; default now)."""
         now = self.clock()
+        scheduled_at = now if started is None else started
         requests = self._requests
         for req in scheduler.running:
             t = requests.get(req.request_id)
             if t is not None and t.scheduled is None:
-                t.scheduled = now
+                t.scheduled = scheduled_at
         step_prompt = 0
         step_generated = 0
         for out in outputs:
@@ -249,10 +279,9 @@ class EngineMetrics:
                     step_prompt += t.num_prompt_tokens
                     self.histograms["vllm:time_to_first_token_seconds"].observe(now - t.arrival)
                 elif t.last_token is not None:
-                    itl = self.histograms["vllm:inter_token_latency_seconds"]
-                    # Several tokens in one step (drafts accepted): each gets its share.
-                    for _ in range(n):
-                        itl.observe((now - t.last_token) / n)
+                    # One observation per output, however many tokens it holds
+                    # (accepted drafts), as vLLM records it.
+                    self.histograms["vllm:inter_token_latency_seconds"].observe(now - t.last_token)
                 t.last_token = now
                 t.num_generated += n
             if out.finish_reason is not None:
@@ -293,6 +322,11 @@ class EngineMetrics:
 
     def _finished(self, req_id: str, t: _Timing, reason: str, now: float) -> None:
         del self._requests[req_id]
+        counts = self._open.get(t.parent)
+        if counts is not None:
+            counts[1] -= 1
+            if counts[1] <= 0:  # the request's last completion
+                del self._open[t.parent]
         self.request_success[reason] = self.request_success.get(reason, 0) + 1
         h = self.histograms
         scheduled = t.scheduled if t.scheduled is not None else now
