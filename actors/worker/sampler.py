@@ -178,7 +178,7 @@ class Sampler:
             apply_min_p(logits, meta.min_p)
             probs = logits.softmax(dim=-1)  # [num_rows, vocab]
             p_draft = probs[rows_t, ids_t]  # [D]
-            u = _uniform_per_row(meta, num_rows, dev)[rows_t]  # [D]
+            u = _uniform_for_rows(meta, draft_rows, dev)  # [D]
             accept = u < p_draft
             # Residual max(p - q, 0) with q one-hot on the draft: p without it.
             probs[rows_t, ids_t] = 0.0
@@ -226,15 +226,24 @@ def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _uniform_per_row(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
-    """[num_rows] U[0, 1): seeded rows from their own generator, others shared."""
-    u = torch.empty(num_rows, device=device)
+def _uniform_for_rows(
+    meta: SamplingMetadata, rows: list[int], device: torch.device
+) -> torch.Tensor:
+    """[len(rows)] U[0, 1), one per given row: a seeded row's from its own generator,
+    others' from the shared one. Only `rows` draw: a seeded request whose rows are not
+    among them (it has no draft this step) leaves its generator untouched, so its
+    tokens do not depend on whether others in the batch draft (vLLM's rule too)."""
+    u = torch.empty(len(rows), device=device)
     if meta.any_unseeded_random:
         u.uniform_(generator=meta.shared_generator)
     else:
         u.fill_(0.5)
-    for row, generator in meta.seeded:
-        u[row] = torch.rand((), generator=generator, device=device)
+    if meta.seeded:
+        generators = dict(meta.seeded)
+        for j, row in enumerate(rows):
+            generator = generators.get(row)
+            if generator is not None:
+                u[j] = torch.rand((), generator=generator, device=device)
     return u
 
 

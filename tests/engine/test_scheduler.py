@@ -352,3 +352,22 @@ def test_state_models_refuse_a_chunk_limit_below_one_block(knob):
         make_engine(block_size=8, num_blocks=200, groups=(FULL, STATE), **kwargs)
     name = "max_num_batched_tokens" if knob == "budget" else "long_prefill_token_threshold"
     assert f"raise {name} to at least 8" in str(info.value)
+
+
+def test_a_request_finished_while_preempted_is_reported_to_the_worker():
+    """The worker keeps a preempted request's sampler state (seeded generator, penalty
+    counts) for its return; if it ends while waiting (abort, stop string), the next
+    step must name it in finished_req_ids, or the worker keeps that state for good."""
+    _core, sched, fake = make_engine(block_size=4, budget=64)
+    add(sched, "p", list(range(10)), max_tokens=20, ignore_eos=True)
+    out = sched.schedule()
+    sched.update_from_output(out, fake.execute_model(out))
+    sched._preempt(sched.requests["p"])
+    out = sched.schedule()  # re-admits it at once: preempt again before it finishes
+    assert "p" in out.preempted_req_ids
+    sched.update_from_output(out, fake.execute_model(out))
+    sched._preempt(sched.requests["p"])
+    sched.abort_requests("p")
+    out = sched.schedule()
+    assert "p" in out.finished_req_ids
+    assert "p" not in sched.schedule().finished_req_ids  # told once

@@ -390,3 +390,34 @@ def test_state_rejects_bad_input() -> None:
     state.check_integrity()
     with pytest.raises(ValueError, match="num_reqs"):
         Sampler()(torch.zeros(2, 8), state.build(["a"]))
+
+
+def test_a_seeded_request_samples_the_same_whether_or_not_a_neighbour_drafts() -> None:
+    """Verification draws acceptance numbers for draft rows only: a seeded request
+    with no draft (here it asks for logprobs, so it never drafts) keeps its own
+    generator's sequence, and so its tokens, whatever the rest of the batch does."""
+    vocab = 50
+    torch.manual_seed(0)
+    steps = [torch.randn(vocab) for _ in range(20)]
+    seeded = SamplingParams(temperature=1.0, seed=1234, logprobs=1)
+
+    def run(neighbour_drafts: bool) -> list[int]:
+        state = SamplerState(vocab, seed=0)
+        state.add_request("s", seeded, [1, 2], eos_token_id=None)
+        state.add_request("b", SamplingParams(temperature=0), [1, 2], eos_token_id=None)
+        out = []
+        for logits in steps:
+            if neighbour_drafts:
+                batch = torch.stack([logits, torch.zeros(vocab), torch.zeros(vocab)])
+                tokens, _ = Sampler().verify(batch, state.build(["s", "b", "b"]), [[], [7]])
+                state.append_tokens("s", tokens[0])
+                state.append_tokens("b", tokens[1])
+                out.append(tokens[0][0])
+            else:
+                batch = torch.stack([logits, torch.zeros(vocab)])
+                sampled = Sampler()(batch, state.build(["s", "b"])).sampled_token_ids.tolist()
+                state.append_sampled(["s", "b"], sampled)
+                out.append(sampled[0])
+        return out
+
+    assert run(neighbour_drafts=True) == run(neighbour_drafts=False)

@@ -135,6 +135,9 @@ class Scheduler:
         self._known: dict[str, int] = {}  # req ids the worker holds -> tokens it was sent
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
+        # Preempted requests whose sampler state the worker keeps (seeded generators,
+        # penalty counts) until it is told they finished, even while they wait.
+        self._held_while_preempted: set[str] = set()
         self._cuts: dict[str, list[int]] = {}  # table lengths the worker must cut to
 
         self.total_preemptions = 0
@@ -371,6 +374,7 @@ class Scheduler:
         self._step_preemptions += 1
         if self._known.pop(req.request_id, None) is not None:
             self._preempted_ids.add(req.request_id)
+            self._held_while_preempted.add(req.request_id)
         self.waiting.prepend(req)
 
     def _fork_ready_parents(self) -> bool:
@@ -578,7 +582,9 @@ class Scheduler:
         self._cuts.pop(rid, None)
         if self.proposer is not None:
             self.proposer.drop(rid)
-        if self._known.pop(rid, None) is not None:
+        sent = self._known.pop(rid, None) is not None
+        if sent or rid in self._held_while_preempted:  # the worker must forget it
+            self._held_while_preempted.discard(rid)
             self._finished_ids.add(rid)
 
     @staticmethod
