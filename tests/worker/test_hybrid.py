@@ -81,7 +81,7 @@ def _generate(path: Path, prompts: list[list[int]], **kwargs: Any) -> dict[str, 
         llm.scheduler.check_integrity()
         return {
             "tokens": [o.outputs[0].token_ids for o in outs],
-            "hits": kv.prefix_stats.total_hits,
+            "hits": kv.prefix_stats.total_hits + kv.prefix_stats.preempted_hits,
             "preemptions": llm.scheduler.total_preemptions,
             "leaks": kv.leaks.num_violations,
             "free": kv.num_free_blocks,

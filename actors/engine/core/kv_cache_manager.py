@@ -59,13 +59,18 @@ class KVCacheConfig:
 @dataclass
 class PrefixCacheStats:
     """Counted in tokens: queries = prompt tokens looked up, hits = served.
-    `queries` / `hits` restart every step (Scheduler.make_stats); the totals don't."""
+    `queries` / `hits` restart every step (Scheduler.make_stats); the totals don't.
+    A preempted request's lookup on its return (its own blocks, often) counts apart,
+    in `preempted_*`, as vLLM counts it: not in queries and hits."""
 
     queries: int = 0
     hits: int = 0
     requests: int = 0
     total_queries: int = 0
     total_hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
 
 @dataclass
@@ -161,10 +166,16 @@ class KVCacheManager:
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup of `request`: its tokens queried, `num_hit_tokens`
-        of them hits (vllm:prefix_cache_queries / _hits)."""
+        of them hits (vllm:prefix_cache_queries / _hits); a preempted request's in the
+        `preempted_*` totals instead."""
         if not self.enable_caching:
             return
         stats = self.prefix_stats
+        if request.num_preemptions:
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens
+            return
         stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens

@@ -304,8 +304,7 @@ class Scheduler:
                 blocks = kv.allocate_slots(req, num_new, lookahead, hits, num_hit)
                 if blocks is None:
                     break
-                if req.num_preemptions == 0:  # once per request, as it is admitted
-                    kv.record_prefix_lookup(req, num_hit)
+                kv.record_prefix_lookup(req, num_hit)  # once per admission
                 self.waiting.pop()
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit
