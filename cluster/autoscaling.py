@@ -17,6 +17,8 @@
   mean waiting queue or the mean KV usage is above its high mark;
 - a scale-down is only asked while nothing waits, nothing sits on the spare and the
   mean KV usage is below its low mark, and then by one replica at a time;
+- with no report from any replica (a metrics outage, or replicas still starting)
+  the lane holds: silence is not idleness;
 - the result is clamped to [min_replicas, max_replicas].
 
 Serve applies the delays itself (`AutoscalingConfig.upscale_delay_s`,
@@ -99,6 +101,10 @@ def desired_replicas(
         spare_demand: the lane's requests in flight on its spare (>= 0).
         targets: the lane's bounds and targets.
     """
+    if not loads and spare_demand <= 0 and current > 0:
+        # Nobody reported: nothing is known about the load, so nothing changes.
+        held = min(max(current, targets.min_replicas), targets.max_replicas)
+        return Decision(held, "no_metrics" if held == current else "bounds", 0.0)
     demand = sum(r.running + r.waiting for r in loads) + max(0.0, spare_demand)
     n = max(len(loads), 1)
     mean_waiting = sum(r.waiting for r in loads) / n

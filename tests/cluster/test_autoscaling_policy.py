@@ -68,6 +68,20 @@ def test_bounds() -> None:
     assert desired_replicas([], current=0, spare_demand=0, targets=two).replicas == 2
 
 
+def test_no_report_at_all_is_not_idleness() -> None:
+    """A metrics outage (no replica reported in the window) holds the lane; it used to
+    count every silent replica as idle and shrink the lane one replica at a time."""
+    d = decide_from_metrics({}, current=3, min_replicas=1, max_replicas=5)
+    assert (d.replicas, d.reason) == (3, "no_metrics")
+    only_gone = {"waiting": {"gone": 40.0}, "running": {"gone": 8.0}}
+    d = decide_from_metrics(only_gone, current=3, min_replicas=1, max_replicas=5, running=["r1"])
+    assert (d.replicas, d.reason) == (3, "no_metrics")
+    # one silent replica among reporting ones still counts as idle (a new one, say)
+    some = {"waiting": {"r1": 0.0}, "running": {"r1": 0.0}, "kv_usage": {"r1": 0.0}}
+    d = decide_from_metrics(some, current=3, min_replicas=1, max_replicas=5)
+    assert (d.replicas, d.reason) == (2, "idle")
+
+
 def test_decide_from_metrics_reads_serve_layout_and_targets() -> None:
     metrics = {
         "waiting": {"r1": 4.0, "r2": 4.0, "gone": 100.0},
