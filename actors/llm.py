@@ -101,8 +101,14 @@ class LLM:
         request = self.scheduler.make_request(
             rid, token_ids, params, eos_token_id=self.info.eos_token_id
         )
-        self.engine.add_request(request)
+        # The processor first: it refuses what it cannot follow (stop strings without a
+        # tokenizer) before the engine holds a request nobody would collect.
         processor.add_request(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
+        try:
+            self.engine.add_request(request)
+        except BaseException:
+            processor.abort(rid)
+            raise
         return rid
 
     def _run(self, processor: OutputProcessor) -> Iterator[list[Delta]]:
@@ -156,16 +162,16 @@ class LLM:
         if len(params) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params)} sampling params")
         processor = OutputProcessor(self.tokenizer)
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, p in zip(batch, params, strict=True):
                 ids.append(self._add(prompt, p, processor))
-        except ValueError:
+            results = {rid: processor.requests[rid].output for rid in ids}
+            for _ in self._run(processor):
+                pass
+        except BaseException:  # a refused prompt, an interrupt: leave nothing behind
             self.scheduler.abort_requests(ids)
             raise
-        results = {rid: processor.requests[rid].output for rid in ids}
-        for _ in self._run(processor):
-            pass
         return [results[rid] for rid in ids]
 
     def stream(
@@ -173,9 +179,12 @@ class LLM:
     ) -> Iterator[Delta]:
         """Yield text deltas of one prompt as they are produced (for the CLI)."""
         processor = OutputProcessor(self.tokenizer)
-        self._add(prompt, sampling_params or self.get_default_sampling_params(), processor)
-        for deltas in self._run(processor):
-            yield from deltas
+        rid = self._add(prompt, sampling_params or self.get_default_sampling_params(), processor)
+        try:
+            for deltas in self._run(processor):
+                yield from deltas
+        finally:  # a caller that stops reading (or an interrupt) aborts the request
+            self.scheduler.abort_requests(rid)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

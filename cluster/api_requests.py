@@ -107,6 +107,17 @@ class ChatMessage(_Nested):
     tool_call_id: Str | None = None
     tool_calls: list[Any] | None = None
 
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template gets it: role (`developer` becomes
+        `system`, which templates know), content as text, and `name` / `tool_call_id`
+        when given (templates may render them, as vLLM passes them on)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, value: Any) -> Any:
@@ -311,6 +322,25 @@ class _Request(_TopLevel):
     def _param_names(self, max_name: str) -> dict[str, str]:
         return {"max_tokens": max_name}
 
+    def check_room(self, prompt_tokens: int, max_model_len: int) -> None:
+        """Raise ProtocolError (400) when the request's own max tokens do not fit after a
+        prompt of `prompt_tokens` (the longest, for several prompts), as vLLM does; a
+        default max tokens is fitted to the room instead. A prompt with no room at all
+        is left to the engine's own error, which names the prompt."""
+        requested, name = self._max_tokens()
+        if prompt_tokens >= max_model_len:
+            return
+        if requested is not None and prompt_tokens + requested > max_model_len:
+            raise ProtocolError(
+                400,
+                f"{name}: {requested:,} is too large: this model's maximum context length "
+                f"is {max_model_len:,} tokens and the request has {prompt_tokens:,} input "
+                f"tokens ({requested:,} > {max_model_len:,} - {prompt_tokens:,}): lower "
+                f"{name} or shorten the prompt",
+                param=name,
+                code="context_length_exceeded",
+            )
+
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
@@ -318,7 +348,11 @@ class CompletionRequest(_Request):
     prompt: Str | list[Str] | list[Int] | list[list[Int]]
     """Text, texts, token ids, or lists of token ids (one request per prompt)."""
     max_tokens: Int | None = 16
-    """OpenAI's default is 16; null means `default_max_tokens`."""
+    """OpenAI's default is 16; null means `default_max_tokens` (the ingress passes the
+    room the longest prompt leaves, as vLLM does)."""
+    add_special_tokens: Bool = True
+    """Add the tokenizer's special tokens (BOS, ...) to a text prompt (vLLM's extra);
+    false for a prompt already formatted with them."""
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: Bool | None = False
     best_of: Int | None = None
@@ -417,6 +451,16 @@ class ChatCompletionRequest(_Request):
     # vLLM extras for the chat template
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    """Add the tokenizer's special tokens (BOS, ...) to the templated prompt, which
+    usually writes them itself (vLLM's default: false)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the model's chat template (Qwen3: {"enable_thinking": false})."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_template_kwargs(value)
 
     @field_validator("tools", "functions")
     @classmethod
@@ -442,12 +486,8 @@ class ChatCompletionRequest(_Request):
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """[{"role", "content": str}] for the tokenizer's chat template
-        (`developer` becomes `system`, which templates know)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        """The messages for the tokenizer's chat template (`ChatMessage.template_dict`)."""
+        return [m.template_dict() for m in self.messages]
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -461,6 +501,23 @@ class ChatCompletionRequest(_Request):
 
     def _param_names(self, max_name: str) -> dict[str, str]:
         return {"max_tokens": max_name, "logprobs": "top_logprobs"}
+
+
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "conversation", "add_generation_prompt", "continue_final_message",
+     "tokenize", "chat_template", "tools", "documents", "return_dict"}
+)  # fmt: skip
+"""Arguments of apply_chat_template that chat_template_kwargs may not set."""
+
+
+def _check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(set(value or ()) & TEMPLATE_RESERVED)
+    if reserved:
+        raise FieldError(
+            (reserved[0],),
+            "is set by the request itself, not through chat_template_kwargs: remove it there",
+        )
+    return value
 
 
 def _check_chat_options(
@@ -501,6 +558,13 @@ class TokenizeRequest(_TopLevel):
     add_special_tokens: Bool | None = None
     """Default: true for a prompt, false for messages (the template adds them)."""
     return_token_strs: Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """As in chat completions."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_template_kwargs(value)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -527,10 +591,7 @@ class TokenizeRequest(_TopLevel):
 
     def chat_messages(self) -> list[dict[str, str]]:
         """As `ChatCompletionRequest.chat_messages`; [] for a prompt."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages or []
-        ]
+        return [m.template_dict() for m in self.messages or []]
 
 
 class DetokenizeRequest(_TopLevel):

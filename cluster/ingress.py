@@ -425,9 +425,11 @@ class Ingress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _encode(self, lane: Lane, prompt: str | list[int]) -> list[int]:
+    def _encode(
+        self, lane: Lane, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
-            return list(lane.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return list(lane.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         return list(prompt)
 
     async def _chat_ids(self, lane: Lane, req: rq.ChatCompletionRequest) -> list[int]:
@@ -439,6 +441,8 @@ class Ingress:
                     req.chat_messages(),
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
+                    add_special_tokens=req.add_special_tokens,
+                    template_kwargs=req.chat_template_kwargs,
                 )
             )
         except ChatTemplateError as exc:
@@ -578,10 +582,18 @@ class Ingress:
             )
         model, lane = await self._lane(req.model)
         prompts = [
-            await self._off_loop(self._encode, lane, p) if isinstance(p, str) else list(p)
+            await self._off_loop(self._encode, lane, p, req.add_special_tokens)
+            if isinstance(p, str)
+            else list(p)
             for p in texts
         ]
-        params = req.to_sampling_params(default_max_tokens=16, defaults=lane.sampling_defaults)
+        longest = max(len(p) for p in prompts)
+        req.check_room(longest, lane.max_model_len)
+        # max_tokens: null (explicit) means the room the longest prompt leaves, as in vLLM.
+        params = req.to_sampling_params(
+            default_max_tokens=max(1, lane.max_model_len - longest),
+            defaults=lane.sampling_defaults,
+        )
         session = self._session(request, model)
         return await self._serve(
             req, model, lane, prompts, params, chat=False, session=session, request=request
@@ -592,6 +604,7 @@ class Ingress:
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
         ids = await self._chat_ids(lane, req)
+        req.check_room(len(ids), lane.max_model_len)
         params = req.to_sampling_params(
             default_max_tokens=max(1, lane.max_model_len - len(ids)),
             defaults=lane.sampling_defaults,
@@ -865,6 +878,7 @@ class Ingress:
                         add_generation_prompt=req.add_generation_prompt,
                         continue_final_message=req.continue_final_message,
                         add_special_tokens=req.special_tokens,
+                        template_kwargs=req.chat_template_kwargs,
                     )
                 except ChatTemplateError as exc:
                     raise bad_request(

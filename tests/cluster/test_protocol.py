@@ -552,7 +552,7 @@ def test_chat_messages_for_the_template() -> None:
         {"role": "system", "content": "s"},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "r"},
+        {"role": "tool", "content": "r", "tool_call_id": "1"},  # the template's to use
     ]
     assert req.model is None and rq.resolve_model(req.model, [MODEL, "b"]) == MODEL
 
@@ -741,3 +741,42 @@ def test_vllm_extras_include_stop_str_and_a_negative_seed() -> None:
         .include_stop_str_in_output
         is False
     )
+
+
+def test_max_tokens_must_fit_the_room_and_null_means_the_room() -> None:
+    """vLLM: a request's own max tokens beyond max_model_len minus the prompt is a 400;
+    a completion's explicit null max_tokens is the room (absent: OpenAI's 16)."""
+    chat = rq.parse_request(rq.ChatCompletionRequest, chat_body(max_completion_tokens=100))
+    with pytest.raises(ProtocolError) as info:
+        chat.check_room(150, 200)
+    assert (info.value.status, info.value.param) == (400, "max_completion_tokens")
+    assert info.value.code == "context_length_exceeded" and "100 > 200 - 150" in info.value.message
+    chat.check_room(100, 200)  # fits exactly
+    chat.check_room(250, 200)  # no room at all: the engine's error names the prompt
+    rq.parse_request(rq.ChatCompletionRequest, chat_body()).check_room(199, 200)  # no own value
+    null = rq.parse_request(rq.CompletionRequest, {"prompt": "x", "max_tokens": None})
+    null.check_room(199, 200)
+    assert null.to_sampling_params(default_max_tokens=40).max_tokens == 40
+    absent = rq.parse_request(rq.CompletionRequest, {"prompt": "x"})
+    assert absent.to_sampling_params(default_max_tokens=40).max_tokens == 16
+
+
+def test_chat_template_options_of_vllm() -> None:
+    body = chat_body(
+        messages=[{"role": "user", "content": "hi", "name": "bob"}],
+        chat_template_kwargs={"enable_thinking": False},
+        add_special_tokens=True,
+    )
+    req = rq.parse_request(rq.ChatCompletionRequest, body)
+    assert req.unknown_fields == []
+    assert req.chat_messages() == [{"role": "user", "content": "hi", "name": "bob"}]
+    assert req.chat_template_kwargs == {"enable_thinking": False} and req.add_special_tokens
+    assert not rq.parse_request(rq.ChatCompletionRequest, chat_body()).add_special_tokens
+    raw = {"prompt": "x", "add_special_tokens": False}
+    completion = rq.parse_request(rq.CompletionRequest, raw)
+    assert completion.unknown_fields == [] and completion.add_special_tokens is False
+    with pytest.raises(ProtocolError) as info:
+        rq.parse_request(
+            rq.ChatCompletionRequest, chat_body(chat_template_kwargs={"tokenize": True})
+        )
+    assert info.value.status == 400 and "chat_template_kwargs" in (info.value.param or "")

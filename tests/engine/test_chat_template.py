@@ -63,3 +63,24 @@ def test_a_template_that_raises_is_a_chat_template_error(tok: Any) -> None:
             render_chat(tok, [{"role": "system", "content": "x"}], add_generation_prompt=False)
     finally:
         tok.chat_template = original
+
+
+def test_template_kwargs_and_message_names_reach_the_template(tok: Any) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) and a message's `name`
+    are the template's to use."""
+    template = (
+        "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}]"
+        "{{ m.content }}{% endfor %}{% if enable_thinking is defined and not enable_thinking %}"
+        "<no-think>{% endif %}"
+    )
+    original = tok.chat_template
+    tok.chat_template = template
+    try:
+        named = [{"role": "user", "content": "hi", "name": "bob"}]
+        assert render_chat(tok, named, add_generation_prompt=False) == "[user:bob]hi"
+        quiet = render_chat(
+            tok, named, add_generation_prompt=False, template_kwargs={"enable_thinking": False}
+        )
+        assert quiet == "[user:bob]hi<no-think>"
+    finally:
+        tok.chat_template = original

@@ -113,6 +113,15 @@ def test_bad_input_is_rejected_before_anything_runs(tiny_model_dir):
         assert not llm.scheduler.has_unfinished_requests()
         with pytest.raises(ValueError, match="has no tokenizer"):
             llm.generate("text needs a tokenizer", GREEDY)
+        # refused by the output processor (no tokenizer for stop strings): nothing stays
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop=["x"]))
+        assert not llm.scheduler.has_unfinished_requests()
+        # a stream its reader leaves aborts its request
+        stream = llm.stream([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+        next(stream)
+        stream.close()
+        assert not llm.scheduler.has_unfinished_requests()
         # The engine still serves afterwards.
         (out,) = llm.generate([[1, 2, 3]], GREEDY)
         assert len(out.outputs[0].token_ids) == 16

@@ -27,12 +27,15 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text of `messages` by the tokenizer's chat template.
 
     `add_generation_prompt`: end with the assistant's turn opener (the model then
     answers). `continue_final_message`: leave the last (assistant) message open,
     so that the model continues it; exclusive with `add_generation_prompt`.
+    `template_kwargs`: extra variables for the template (vLLM's chat_template_kwargs,
+    e.g. {"enable_thinking": False}); they cannot replace the arguments above.
 
     Raises:
         ChatTemplateError: see the class.
@@ -56,6 +59,7 @@ def render_chat(
     try:
         text = tokenizer.apply_chat_template(
             list(messages),
+            **(template_kwargs or {}),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
@@ -79,6 +83,7 @@ def chat_token_ids(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` (see `render_chat`); `add_special_tokens` adds the
     tokenizer's own (BOS, ...) on top of what the template writes (default: no).
@@ -91,5 +96,6 @@ def chat_token_ids(
         messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
     )
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -44,6 +44,13 @@ BAD_INPUTS: dict[str, tuple[str, Any, int, str | None]] = {
     "chat-max-tokens--1": (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
     "unknown-model": (COMPLETIONS, comp(model="no-such-model"), 404, "model"),
     "prompt-too-long": (COMPLETIONS, comp(prompt=LONG_TEXT), 400, "prompt"),
+    "max-tokens-beyond-the-room": (COMPLETIONS, comp(max_tokens=2048), 400, "max_tokens"),
+    "chat-max-tokens-beyond-the-room": (
+        CHAT,
+        chat(max_completion_tokens=4000),
+        400,
+        "max_completion_tokens",
+    ),
     "prompt-too-long-stream": (COMPLETIONS, comp(prompt=LONG_TEXT, stream=True), 400, "prompt"),
     "tools": (CHAT, chat(tools=TOOLS), 400, "tools"),
     "echo": (COMPLETIONS, comp(echo=True), 400, "echo"),
