@@ -22,6 +22,10 @@ from typing import Any
 import yaml
 
 DATASOURCE_UID = "spur-prometheus"
+"""The data source `spur grafana` creates; the dashboards' `datasource` variable picks it
+by default and offers every other Prometheus (a Helm install whose Grafana has its
+own, e.g. kube-prometheus-stack's: the sidecar provisions no data source)."""
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 FOLDER_TITLE = "spur"
 FOLDER_UID = "spur"
 SEL = '{lane=~"$lane", model_name=~"$model"}'
@@ -383,14 +387,14 @@ def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
         "type": panel.kind,
         "title": panel.title,
         "description": panel.description,
-        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+        "datasource": dict(DATASOURCE),
         "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
         "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
         "targets": [
             {
                 "refId": chr(ord("A") + i),
-                "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+                "datasource": dict(DATASOURCE),
                 "expr": expr,
                 "legendFormat": legend,
                 **({"format": "table", "instant": True} if panel.kind == "table" else {}),
@@ -405,7 +409,7 @@ def _variable(name: str, label: str, query: str) -> dict[str, Any]:
         "name": name,
         "label": label,
         "type": "query",
-        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+        "datasource": dict(DATASOURCE),
         "query": {"query": query, "refId": f"{name}-var"},
         "definition": query,
         "includeAll": True,
@@ -429,6 +433,15 @@ def dashboard_json(d: Dashboard) -> dict[str, Any]:
         "time": {"from": "now-1h", "to": "now"},
         "templating": {
             "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {"text": "spur", "value": DATASOURCE_UID},
+                    "refresh": 1,
+                    "hide": 0,
+                },
                 _variable("lane", "lane", "label_values(vllm:num_requests_running, lane)"),
                 _variable("model", "model", "label_values(vllm:num_requests_running, model_name)"),
             ]

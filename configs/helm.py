@@ -216,7 +216,7 @@ def chart_properties() -> dict[str, Any]:
         ),
         "podDisruptionBudget": _object(
             "One PodDisruptionBudget per worker group.",
-            {"enabled": toggle, "maxUnavailable": {"type": ["integer", "string"]}},
+            {"enabled": toggle, "maxUnavailable": {"type": "integer", "minimum": 0}},
         ),
         "metrics": _object(
             "Observability hooks (Prometheus Operator, Grafana sidecar).",

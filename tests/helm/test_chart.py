@@ -30,6 +30,7 @@ from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
+from spur.cluster.app import DRAIN_MARGIN_S
 from spur.configs import helm as chart_files
 from spur.configs.loader import PRESETS, load_config, parse_config, preset_path
 from spur.configs.schema import LaneConfig, SpareConfig, SpurConfig
@@ -238,9 +239,9 @@ def check_groups(rayservice: dict[str, Any], cfg: SpurConfig) -> None:
         fixed = getattr(source, "replicas", 1)
         low, high = (scaling.min_replicas, scaling.max_replicas) if scaling else (fixed, fixed)
         assert (group["minReplicas"], group["maxReplicas"], group["replicas"]) == (low, high, low)
+        # What the config asks for, nothing more: a resource only the group had would
+        # pin nothing (the app's replicas do not ask for it).
         want_resources = {k: str(int(v) if v == int(v) else v) for k, v in source.resources.items()}
-        if isinstance(source, SpareConfig) and not source.resources:
-            want_resources = {"spare": "1"}
         assert group.get("resources", {}) == want_resources
         pod = group["template"]["spec"]
         (container,) = pod["containers"]
@@ -251,11 +252,14 @@ def check_groups(rayservice: dict[str, Any], cfg: SpurConfig) -> None:
             EXTRA_GRACE
         )
         assert "readinessProbe" not in container and "livenessProbe" not in container
+        # KubeRay's injected readiness probe finds the Serve proxy by the port's name
+        assert {"name": "serve", "containerPort": cfg.server.port} in container["ports"]
         assert {"name": "RAY_SERVE_PROXY_USE_GRPC", "value": "1"} in container["env"]
         options = deployments[f"engine-{source.name}"]
         assert options["max_ongoing_requests"] == source.max_ongoing_requests
         assert options["max_queued_requests"] == source.max_queued_requests
-        assert options["graceful_shutdown_timeout_s"] == source.drain_timeout_s
+        # Serve's grace is the app's: drain_timeout_s plus its margin
+        assert options["graceful_shutdown_timeout_s"] == source.drain_timeout_s + DRAIN_MARGIN_S
         if scaling:
             bounds = options["autoscaling_config"]
             assert (bounds["min_replicas"], bounds["max_replicas"]) == (low, high)
@@ -444,6 +448,9 @@ def test_autoscaling_lane_gets_group_and_serve_bounds(render: Any) -> None:
     assert "--deadline-remaining-seconds 91" in hook[-1]
     syntax = subprocess.run(["bash", "-n", "-c", hook[-1]], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
+    # The loop greps every command line for "[S]erveReplica:"; the hook's own (the whole
+    # script) must not hold the title it looks for, or it waits its full deadline.
+    assert "ServeReplica:" not in hook[-1].replace("[S]erveReplica:", "")
 
 
 def test_storage_secrets_and_placement(render: Any) -> None:
@@ -494,10 +501,18 @@ def test_observability_toggles_render_nothing_without_files(chart_copy: Path) ->
     validate_everything(docs)
     assert "ConfigMap" not in docs and "PrometheusRule" not in docs
     monitor = the(docs, "ServiceMonitor")
-    api = the(docs, "RayService")["spec"]["serveService"]
+    # A Service of the head pod alone: a ServiceMonitor scrapes every endpoint of its
+    # Service, and every Serve proxy answers the whole view (the API Service would
+    # count each series once per pod).
+    service = the(docs, "Service")
     wanted = monitor["spec"]["selector"]["matchLabels"]
-    assert wanted.items() <= api["metadata"]["labels"].items()
-    assert monitor["spec"]["endpoints"][0]["port"] == api["spec"]["ports"][0]["name"]
+    assert wanted.items() <= service["metadata"]["labels"].items()
+    head = the(docs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert service["spec"]["selector"].items() <= head["metadata"]["labels"].items()
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "head"
+    (port,) = service["spec"]["ports"]
+    assert monitor["spec"]["endpoints"][0]["port"] == port["name"] == "serve"
+    assert port["targetPort"] == 8000
 
 
 def test_observability_files_become_configmap_and_rule(chart_copy: Path) -> None:
@@ -562,7 +577,7 @@ def test_the_validators_reject_broken_manifests(render: Any) -> None:
     with pytest.raises(AssertionError):
         validate_serve_config(serve)
     pdb = copying.deepcopy(docs["PodDisruptionBudget"][0])
-    pdb["spec"]["maxUnavailable"] = [1]
+    pdb["spec"]["minAvailable"] = [1]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(pdb, KUBE_VERSION, strict=True)
     monitor = copying.deepcopy(the(docs, "ServiceMonitor"))
@@ -683,3 +698,33 @@ def test_serve_autoscaling_config_is_the_apps(render: Any, autoscaling: dict[str
     lane = parse_config(tree).lanes[0]
     assert lane.autoscaling is not None
     assert deployments[1]["autoscaling_config"] == serve_autoscaling_config(lane.autoscaling)
+
+
+def test_disruption_budgets_use_an_integer_min_available(render: Any) -> None:
+    """Pods owned by a RayCluster (no scale subresource): Kubernetes refuses every
+    eviction under a maxUnavailable or percentage budget, so each group's budget is an
+    integer minAvailable, its minimum replicas minus maxUnavailable."""
+    tree = {
+        "lanes": [
+            {"name": "chat", "replicas": 3},
+            {"name": "code", "autoscaling": {"min_replicas": 2, "max_replicas": 5}},
+        ],
+        "spare": {"serves_lanes": ["chat"]},
+    }
+    docs = render({"spur": tree})
+    budgets = {
+        d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"] for d in docs["PodDisruptionBudget"]
+    }
+    assert {k: v.get("minAvailable") for k, v in budgets.items()} == {
+        "chat": 2, "code": 1, "spare": 0
+    }  # fmt: skip
+    assert not any("maxUnavailable" in v for v in budgets.values())
+
+
+def test_group_overrides_must_name_a_group_and_keep_a_zero(render: Any) -> None:
+    tree = {"lanes": [{"name": "chat"}]}
+    with pytest.raises(Exception, match=r"groups\.chta: no lane or spare is named"):
+        render({"spur": tree, "groups": {"chta": {"gpus": 4}}})
+    docs = render({"spur": tree, "groups": {"chat": {"idleTimeoutSeconds": 0}}})
+    (group,) = the(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["idleTimeoutSeconds"] == 0

@@ -183,10 +183,16 @@ def test_export_writes_three_dashboards_and_the_chart_copies_are_fresh(tmp_path:
         )
     for p in paths[:-1]:
         model = json.loads(p.read_text())
-        assert model["panels"] and {v["name"] for v in model["templating"]["list"]} == {
-            "lane",
-            "model",
-        }
+        variables = {v["name"]: v for v in model["templating"]["list"]}
+        assert model["panels"] and set(variables) == {"datasource", "lane", "model"}
+        # Every query goes through the datasource variable, which defaults to the data
+        # source `spur grafana` creates: a Grafana provisioned by the chart's sidecar has
+        # its own Prometheus under another uid.
+        assert variables["datasource"]["current"]["value"] == D.DATASOURCE_UID
+        uids = {t["datasource"]["uid"] for panel in model["panels"] for t in panel["targets"]}
+        uids |= {panel["datasource"]["uid"] for panel in model["panels"]}
+        uids |= {variables[v]["datasource"]["uid"] for v in ("lane", "model")}
+        assert uids == {"${datasource}"}
 
 
 def test_promtool_accepts_the_rules() -> None:

@@ -127,10 +127,16 @@ bounds the wrong way round.
 {{- range $key, $amount := ($spec.resources | default dict) -}}
 {{- $_ := set $rayResources $key (toString $amount) -}}
 {{- end -}}
-{{- if and (eq .kind "spare") (not $spec.resources) -}}
-{{- $_ := set $rayResources "spare" "1" -}}
-{{- end -}}
 {{- $groups = append $groups (dict "name" $spec.name "kind" .kind "deployment" (printf "engine-%s" $spec.name) "device" $device "tp" $tp "gpus" $gpus "replicas" $replicas "minReplicas" $min "maxReplicas" $max "autoscaling" $autoscaling "autoscalingSpec" ($spec.autoscaling | default dict) "drain" $drain "drainSeconds" (int (ceil $drain)) "rayResources" $rayResources "maxOngoing" (int ($spec.max_ongoing_requests | default 256)) "maxQueued" (int (ternary $spec.max_queued_requests 512 (hasKey $spec "max_queued_requests"))) "override" $override) -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range $groups -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- range $key, $_ := ($.Values.groups | default dict) -}}
+{{- if not (has $key $names) -}}
+{{- fail (printf "groups.%s: no lane or spare is named %q (groups: %s): fix the name" $key $key (join ", " $names)) -}}
+{{- end -}}
 {{- end -}}
 {{- toYaml (dict "groups" $groups) -}}
 {{- end -}}
@@ -192,6 +198,9 @@ would push it to disk) and the model storage of its group, (dict "storage" S).
 preStop of a pod that holds engine replicas: drain the Ray node (Serve starts
 replacements elsewhere and stops the node's replicas gracefully, each within its
 drain_timeout_s), then wait until no replica process is left or the deadline passes.
+Replica processes are titled "ray::" + "ServeReplica:..."; the script greps for
+"[S]erveReplica:", which its own command line (in /proc too) does not match, so it
+must not spell the title anywhere else, comments included.
 */}}
 {{- define "spur.preStop" -}}
 preStop:
@@ -202,7 +211,5 @@ preStop:
       - |
         ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --reason-message "pod $HOSTNAME terminating" --deadline-remaining-seconds {{ .seconds }} || true
         end=$((SECONDS + {{ .seconds }}))
-        # Replica processes are titled "ray::ServeReplica:..." ("[S]" keeps grep from
-        # matching this script's own command line).
         while [ "$SECONDS" -lt "$end" ] && grep -qs "[S]erveReplica:" /proc/[0-9]*/cmdline; do sleep 1; done
 {{- end -}}
