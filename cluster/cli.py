@@ -42,6 +42,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    if text.strip() in ("0", "-0"):
+        return 0
+    return _positive(text)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spur", description="spur: a paged-KV LLM serving cluster"
@@ -130,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument(
         "--chunk", type=_positive, default=None, help="prefill chunk of the simulation"
     )
-    cap.add_argument("--decode", type=int, default=0, help="decode steps of the simulation")
+    cap.add_argument(
+        "--decode",
+        type=_non_negative,
+        default=0,
+        help="decode steps of the simulation (0: the prefill and its first token)",
+    )
     cap.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
     bench = sub.add_parser("bench", help="benchmarks (machine-readable with --json)")
@@ -318,7 +339,9 @@ def _observability_parsers(sub: Any) -> None:
     top = sub.add_parser("top", help="live view of a running deployment (rich)")
     top.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument(
+        "--interval", type=_positive_seconds, default=2.0, help="seconds between refreshes"
+    )
     top.add_argument("--admin-key", help="admin API key (or SPUR_ADMIN_KEY / SPUR_API_KEY)")
 
 
@@ -355,6 +378,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     from spur.cluster.top import TopError, run
     from spur.configs.env import client_api_key
 
+    if not args.url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {args.url!r}: give the server's URL, e.g. http://127.0.0.1:8000")
     try:
         return run(
             args.url,
@@ -415,8 +440,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    from spur.cluster.app import refuse_test_settings
     from spur.cluster.auth import AuthConfigError, is_loopback, load_keys
     from spur.cluster.server import run_server
+
+    try:  # before Ray starts: a config error, not a traceback from the deployment
+        refuse_test_settings([*cfg.lanes, *([cfg.spare] if cfg.spare else [])])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
     try:  # the ingress reads them again in its own process; fail early here
         keys = load_keys(cfg.server.auth.model_dump())
@@ -518,8 +549,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _check_repeats(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
-    words = [a for a in argv if not a.startswith("-")]
-    if words and words[0] in COMMANDS and len(words) > 1 and words[1] == words[0]:
+    """`spur serve serve x.yaml`: the command word twice in a row (a flag's value that
+    happens to be a command's name, `--prompt generate`, is not a repeat)."""
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    words = list(argv[first : first + 2]) if first is not None else []
+    if len(words) == 2 and words[0] in COMMANDS and words[1] == words[0]:
         usage = parser.format_usage().strip().removeprefix("usage: ")
         raise UsageError(f"'{words[0]}' given twice; usage: {usage}")
 

@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 APP_NAME = "spur"
 
 
-def start(cfg: SpurConfig) -> str:
-    """Connect to Ray (embedded or `server.ray_address`), deploy, return the URL."""
+def start(cfg: SpurConfig, on_ray_started: Callable[[], Any] | None = None) -> str:
+    """Connect to Ray (embedded or `server.ray_address`), deploy, return the URL.
+    `on_ray_started` runs once Ray runs, before the deployment (which waits for every
+    replica): `ray.init` installs its own SIGTERM handler, which the caller may replace."""
     import ray
     from ray import serve
 
@@ -50,6 +52,8 @@ def start(cfg: SpurConfig) -> str:
             )
         else:
             ray.init(address=server.ray_address, namespace=server.namespace)
+    if on_ray_started is not None:
+        on_ray_started()
     # Proxies on the head only: the URL announced is the head's, and a proxy on an
     # engine node would go (cutting its connections) when the autoscaler removes the node.
     serve.start(http_options={"host": server.host, "port": server.port}, proxy_location="HeadOnly")
@@ -142,19 +146,36 @@ def stop(cfg: SpurConfig) -> None:
 
 
 def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
-    """Serve until SIGINT / SIGTERM. Returns the process exit status."""
+    """Serve until SIGINT / SIGTERM. Returns the process exit status.
+
+    A signal while the application deploys (Serve waits for every replica, which may
+    never come: no room for one) interrupts the deployment, then shuts down as after
+    serving; later, it starts the drain."""
     stop_event = threading.Event()
+    deploying = True
 
     def on_signal(signum: int, _frame: Any) -> None:
         logger.warning("signal %d: shutting down", signum)
         stop_event.set()
+        if deploying:
+            raise KeyboardInterrupt  # out of serve.run's wait
+
+    def take_signals() -> None:  # ray.init installs its own SIGTERM handler (exit at once)
+        for s in previous:
+            signal.signal(s, on_signal)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        url = start(cfg)
-        # ray.init installs its own SIGTERM handler (exit at once): take it back.
-        for s in previous:
-            signal.signal(s, on_signal)
+        try:
+            url = start(cfg, on_ray_started=take_signals)
+        except KeyboardInterrupt:
+            if not stop_event.is_set():
+                raise
+            logger.warning("stopped while the application was deploying")
+            return 0
+        finally:
+            deploying = False
+        take_signals()
         if wait_ready(url, stop_event):
             announce(url)
         while not stop_event.is_set():

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spur.configs.loader import PRESETS, preset_path
-from spur.configs.schema import ALL_MODELS, SpurConfig, is_size
+from spur.configs.schema import ALL_MODELS, SpurConfig, is_size_field
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "helm" / "spur"
 """The chart in a checkout (an editable install points here too)."""
@@ -60,7 +60,7 @@ def _accept_size_strings(defs: dict[str, Any]) -> None:
     for model in ALL_MODELS:
         props = defs.get(model.__name__, {}).get("properties", {})
         for name, field in model.model_fields.items():
-            if name not in props or not is_size(field.annotation):
+            if name not in props or not is_size_field(field):
                 continue
             prop = props[name]
             branches = prop.get("anyOf", [prop])

@@ -27,7 +27,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spur.configs.schema import PATTERN_HINTS, SpurConfig, format_size, is_size
+from spur.configs.schema import PATTERN_HINTS, SpurConfig, format_size, is_size_field
 
 PRESETS = ("local", "two-lanes", "gpu-h200-tp2")
 """Config files shipped inside the package (configs/<name>.yaml)."""
@@ -241,7 +241,7 @@ def _as_model(annotation: Any) -> type[BaseModel] | None:
 def _is_size_field(loc: tuple[Any, ...]) -> bool:
     parent = _model_at(loc[:-1]) if loc else None
     field = parent.model_fields.get(str(loc[-1])) if parent else None
-    return field is not None and is_size(field.annotation)
+    return field is not None and is_size_field(field)
 
 
 def _show(value: Any) -> str:

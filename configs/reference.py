@@ -25,7 +25,13 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from spur.configs.schema import PATTERN_HINTS, SpurConfig, format_size, is_size
+from spur.configs.schema import (
+    PATTERN_HINTS,
+    SpurConfig,
+    format_size,
+    is_size,
+    is_size_field,
+)
 
 BEGIN_MARKER = (
     "<!-- BEGIN CONFIG REFERENCE (python -m spur.configs.reference --write README.md) -->"
@@ -89,10 +95,13 @@ def _metadata(annotation: Any) -> list[Any]:
     return out
 
 
+SIZE_TYPE = 'size (bytes or `"2GiB"`)'
+
+
 def render_type(annotation: Any) -> str:
     """Markdown for a field's type: `int`, `"a" \\| "b"`, `list of str`, a link to a model."""
     if get_origin(annotation) is Annotated and is_size(annotation):
-        return 'size (bytes or `"2GiB"`)'
+        return SIZE_TYPE
     annotation = _strip(annotation)
     if annotation is type(None):
         return "null"
@@ -135,7 +144,7 @@ def _bounds(metadata: list[Any], size: bool = False) -> list[str]:
 
 def render_constraints(field: FieldInfo) -> str:
     """Bounds of the field itself and of its items, keys and values."""
-    parts = _bounds(field.metadata, size=is_size(field.annotation))
+    parts = _bounds(field.metadata, size=is_size_field(field))
     annotation = field.annotation
     if _is_union(annotation):
         inner = [a for a in get_args(annotation) if a is not type(None)]
@@ -165,7 +174,7 @@ def render_default(field: FieldInfo) -> str:
         return f"`{json.dumps(factory())}`"  # type: ignore[call-arg]
     if field.default is PydanticUndefined:
         return "**required**"
-    if is_size(field.annotation) and isinstance(field.default, int):
+    if is_size_field(field) and isinstance(field.default, int):
         return f"`{format_size(field.default)}`"
     return f"`{json.dumps(field.default)}`"
 
@@ -181,8 +190,11 @@ def model_table(model: type[BaseModel]) -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for name, field in model.model_fields.items():
+        # A bounded plain ByteSize keeps only `int` as its annotation (`is_size_field`).
+        bare_size = is_size_field(field) and not is_size(field.annotation)
+        kind = SIZE_TYPE if bare_size else render_type(field.annotation)
         rows.append(
-            f"| `{name}` | {_cell(render_type(field.annotation))} | "
+            f"| `{name}` | {_cell(kind)} | "
             f"{_cell(render_default(field))} | {_cell(render_constraints(field))} | "
             f"{_cell(field.description or '')} |"
         )

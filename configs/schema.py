@@ -136,6 +136,15 @@ def is_size(annotation: Any) -> bool:
     return False
 
 
+def is_size_field(field: Any) -> bool:
+    """True when a model field (pydantic FieldInfo) is a `ByteSize`. A plain `ByteSize`
+    with bounds (`Field(ge=...)`) loses its Annotated wrapper: pydantic keeps `int` as
+    the annotation and moves the size parser into the field's metadata."""
+    return is_size(field.annotation) or any(
+        getattr(m, "func", None) is parse_size for m in field.metadata
+    )
+
+
 Slug = Annotated[str, Field(min_length=1, max_length=63, pattern=SLUG_PATTERN)]
 
 # Ray refuses these names as custom resources: they are set by num_cpus, num_gpus, ...
@@ -740,6 +749,8 @@ class ServerConfig(_Section):
     def url(self) -> str:
         """Base URL of the API as seen from this machine."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        if ":" in host and not host.startswith("["):  # an IPv6 literal
+            host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
 

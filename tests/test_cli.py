@@ -92,3 +92,62 @@ def test_capacity_json_is_strict_json(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["num_blocks"] > 0
+
+
+def test_more_misuse_is_a_clear_error_not_a_traceback(tmp_path):
+    """From a review of the CLI: each of these used to end in a traceback (or in a
+    false 'given twice')."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "hidden_size": 64,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    # a prefill-only simulation (--decode defaults to 0) runs
+    res = run("capacity", "--model", str(cfg), "--num-blocks", "64", "--simulate-prompt", "40")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    res = run("capacity", "--model", str(cfg), "--simulate-prompt", "40", "--decode", "-3")
+    assert res.returncode == 2 and "must be >= 1" in res.stderr
+    broken = tmp_path / "geometry.yaml"
+    broken.write_text("layers: [\n")
+    res = run("capacity", "--model", str(broken))
+    assert res.returncode == 2 and "not valid YAML at line" in res.stderr, res.stderr
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    res = run("capacity", "--model", str(listed))
+    assert res.returncode == 2 and "not a model config object" in res.stderr, res.stderr
+    res = run("top", "--interval", "-1")
+    assert res.returncode == 2 and "must be > 0" in res.stderr
+    # a flag's value that is a command's name is not the command given twice
+    res = run("top", "--url", "top", "--once")
+    assert res.returncode == 2 and "given twice" not in res.stderr
+    assert "give the server's URL" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_test_only_setting_is_refused_before_ray_starts(tmp_path):
+    cfg = tmp_path / "leaky.yaml"
+    cfg.write_text(
+        "lanes:\n  - name: chat\n    engine: {runtime: {test_leak_blocks_per_step: 1}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SPUR_ALLOW_TEST_SETTINGS"}
+    res = subprocess.run(
+        [*SPUR, "serve", str(cfg)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 2 and "tests only" in res.stderr.lower(), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_an_ipv6_host_gives_a_bracketed_url():
+    from spur.configs.loader import parse_config
+
+    cfg = parse_config({"lanes": [{"name": "chat"}], "server": {"host": "::1", "port": 8123}})
+    assert cfg.server.url == "http://[::1]:8123"
+    wildcard = parse_config({"lanes": [{"name": "chat"}], "server": {"host": "::"}})
+    assert wildcard.server.url == "http://127.0.0.1:8000"

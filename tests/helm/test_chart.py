@@ -339,6 +339,13 @@ def test_values_schema_reads_the_same_in_draft_7_and_2020_12(validator: Any) -> 
     check.validate(yaml.safe_load((CHART / "values.yaml").read_text()))
     bad = {"spur": {"lanes": [{"name": "chat", "replicas": 2, "autoscaling": {"max_replicas": 3}}]}}
     assert [e.json_path for e in check.iter_errors(bad)] == ["$.spur.lanes[0].replicas"]
+    # Every size field takes "8MiB" as the loader does, the bounded plain ones too.
+    sizes = {
+        "lanes": [{"name": "chat"}],
+        "server": {"requests": {"max_body_bytes": "8MiB"}, "object_store_memory": "1GiB"},
+    }
+    check.validate({"spur": sizes})
+    assert parse_config(sizes).server.requests.max_body_bytes == 8 * 1024**2
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -223,11 +223,21 @@ def load_geometry(
             f"{p}: no such file; pass a model folder, a config.json or a geometry YAML"
         )
     if p.suffix in (".yaml", ".yml"):
-        return geometry_from_yaml(yaml.safe_load(p.read_text()) or {}, kv_dtype=kv_dtype)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise ValueError(f"{p}: not valid YAML{at}: fix the file") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{p}: holds a {type(data).__name__}, not a geometry mapping")
+        return geometry_from_yaml(data, kv_dtype=kv_dtype)
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: holds a {type(cfg).__name__}, not a model config object")
     return geometry_from_hf_config(cfg, kv_dtype=kv_dtype, state_dtype=state_dtype)
 
 
@@ -403,8 +413,9 @@ def simulate_request(
     executor = FakeExecutor(kv_config, simulate_kv=total <= 20_000)
     rng = random.Random(seed)
     prompt = [rng.randrange(32_000) for _ in range(prompt_tokens)]
+    # decode_tokens 0: the prefill and its one token (a request makes at least one)
     req = sched.make_request(
-        "sim", prompt, SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+        "sim", prompt, SamplingParams(max_tokens=max(1, decode_tokens), ignore_eos=True)
     )
     sched.add_request(req)
     peak = [0] * len(groups)
