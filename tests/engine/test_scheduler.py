@@ -371,3 +371,22 @@ def test_a_request_finished_while_preempted_is_reported_to_the_worker():
     out = sched.schedule()
     assert "p" in out.finished_req_ids
     assert "p" not in sched.schedule().finished_req_ids  # told once
+
+
+def test_a_fork_preempted_in_its_step_leaves_no_block_copy_behind():
+    """p0's fork is made, then preempted for p1's in the same schedule(): its pending
+    copy must go with it, or its freed block (now p1#1's) gets two copies at once
+    (undefined order on a GPU)."""
+    _core, sched, fake = make_engine(block_size=4, num_blocks=6, budget=32, max_model_len=12,
+                                     caching=False)  # fmt: skip
+    for i in range(2):
+        add(sched, f"p{i}", [10 + i * 10 + j for j in range(7)], max_tokens=2, n=2)
+    out = sched.schedule()
+    sched.update_from_output(out, fake.execute_model(out))
+    out = sched.schedule()
+    assert sched.total_preemptions == 1
+    dsts = [dst for _, dst in out.blocks_to_copy]
+    assert len(dsts) == len(set(dsts)), out.blocks_to_copy
+    held = {b for rid in out.num_scheduled_tokens for b in sched.kv.block_ids(rid)[0]}
+    assert set(dsts) <= held  # every copy lands in a block a scheduled request holds
+    sched.check_integrity()

@@ -268,7 +268,12 @@ class KVCacheManager:
             manager.cache(request.request_id, request.block_hashes, computed)
 
     def free(self, request: Request) -> None:
-        """Return every block of the request (its cached ones stay findable)."""
+        """Return every block of the request (its cached ones stay findable). A block
+        copy still pending into one of its blocks (a fork preempted in the step that
+        made it) is dropped: the block may go to another request in the same step."""
+        if self._copies:
+            mine = {b for ids in self.block_ids(request.request_id) for b in ids if b}
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in mine]
         for manager in self.managers:
             manager.free(request.request_id)
         self._slots.pop(request.request_id, None)
