@@ -57,9 +57,13 @@ class FanOut:
         self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _put(self, entry: tuple[int, dict[str, Any] | BaseException | None]) -> None:
+        # ready() must not wait for firsts that cannot come while the buffer is full:
+        # tell it when a put finds it full, and when a put fills it.
         if self.queue.full():
-            self.changed.set()  # ready() must not wait for firsts that cannot come
+            self.changed.set()
         await self.queue.put(entry)
+        if self.queue.full():
+            self.changed.set()
 
     async def _pump(self, i: int, stream: Stream) -> None:
         try:

@@ -59,6 +59,11 @@ class _IndexRouter(RequestRouter):
         """One replica per rank, in the index's order; if the index does not answer
         within INDEX_TIMEOUT_S (restarting), every replica in one rank (Serve then
         takes the shortest queue)."""
+        if pending_request is not None:
+            # When no replica takes the request, Serve asks again: after a pause that
+            # doubles (25 ms to 0.5 s) only with this set, else at once, in a loop on
+            # the KV index (Serve's own routers set it too).
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         if len(candidate_replicas) == 1:

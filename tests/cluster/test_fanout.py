@@ -142,3 +142,32 @@ def test_an_engine_error_item_is_raised_by_items() -> None:
         fan.close()
 
     asyncio.run(main())
+
+
+class _Stalling(FakeStream):
+    """Its first item and `n` deltas come at once, then the next never does (a stream
+    waiting on a failover, say)."""
+
+    async def __anext__(self) -> dict[str, Any]:
+        await asyncio.sleep(0)  # each item a step of the loop, as a real stream's
+        if self.sent <= self.n:
+            return self._item()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_ready_returns_when_the_buffer_fills() -> None:
+    """Prompt 0 fills the buffer (2 items a prompt, 2 prompts) while prompt 1 waits for a
+    replica: ready() must return then (the response starts and the consumer drains),
+    not when prompt 0's next item comes."""
+
+    async def scenario() -> None:
+        waiting = asyncio.Semaphore(0)  # prompt 1's replica has no room yet
+        fan = FanOut([_Stalling(3), FakeStream(2, gate=waiting)], buffer=2)
+        try:
+            await asyncio.wait_for(fan.ready(), timeout=5)
+            assert fan.queue.full()
+        finally:
+            fan.close()
+
+    asyncio.run(scenario())
