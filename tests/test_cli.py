@@ -69,21 +69,21 @@ def test_json_stdout_keeps_every_other_line_off_stdout():
         assert noise in res.stderr
 
 
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_size": 64,
+    "max_position_embeddings": 256,
+}
+"""A config.json `spur capacity` reads (a model's geometry, no weights)."""
+
+
 def test_capacity_json_is_strict_json(tmp_path):
     cfg = tmp_path / "config.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "hidden_size": 64,
-                "max_position_embeddings": 256,
-            }
-        )
-    )
+    cfg.write_text(json.dumps(TINY_LLAMA))
     res = subprocess.run(
         [*SPUR, "capacity", "--model", str(cfg), "--num-blocks", "64", "--json"],
         capture_output=True,
@@ -98,18 +98,7 @@ def test_more_misuse_is_a_clear_error_not_a_traceback(tmp_path):
     """From a review of the CLI: each of these used to end in a traceback (or in a
     false 'given twice')."""
     cfg = tmp_path / "config.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "hidden_size": 64,
-                "max_position_embeddings": 256,
-            }
-        )
-    )
+    cfg.write_text(json.dumps(TINY_LLAMA))
     # a prefill-only simulation (--decode defaults to 0) runs
     res = run("capacity", "--model", str(cfg), "--num-blocks", "64", "--simulate-prompt", "40")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
