@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 DATASOURCE_UID = "spur-prometheus"
-"""The data source `spur grafana` creates; the dashboards' `datasource` variable picks it
+"""The data source `spur dashboards push` creates; the dashboards' `datasource` variable picks it
 by default and offers every other Prometheus (a Helm install whose Grafana has its
 own, e.g. kube-prometheus-stack's: the sidecar provisions no data source)."""
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -186,7 +186,7 @@ def test_export_writes_three_dashboards_and_the_chart_copies_are_fresh(tmp_path:
         variables = {v["name"]: v for v in model["templating"]["list"]}
         assert model["panels"] and set(variables) == {"datasource", "lane", "model"}
         # Every query goes through the datasource variable, which defaults to the data
-        # source `spur grafana` creates: a Grafana provisioned by the chart's sidecar has
+        # source `spur dashboards push` creates: a Grafana provisioned by the chart's sidecar has
         # its own Prometheus under another uid.
         assert variables["datasource"]["current"]["value"] == D.DATASOURCE_UID
         uids = {t["datasource"]["uid"] for panel in model["panels"] for t in panel["targets"]}
