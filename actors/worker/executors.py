@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,10 @@ class UniProcExecutor(Executor):
         self.worker.shutdown()
 
 
-def _worker_main(conn: Any, config: WorkerConfig, rank: int, init_method: str) -> None:
-    worker = Worker(config, rank=rank, dist_init_method=init_method)
+def _worker_main(
+    conn: Any, config: WorkerConfig, rank: int, init_method: str, worker_cls: type[Worker]
+) -> None:
+    worker = worker_cls(config, rank=rank, dist_init_method=init_method)
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -66,18 +69,30 @@ def _worker_main(conn: Any, config: WorkerConfig, rank: int, init_method: str) -
 
 
 class MultiprocExecutor(Executor):
-    """`tensor_parallel_size` worker processes; rank 0's output is the step's."""
+    """`tensor_parallel_size` worker processes; rank 0's output is the step's.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    A rank that raises (or dies) while its peers wait for it in a collective would
+    hang them until gloo's timeout (30 minutes): `collective_rpc` gives the other ranks
+    `failure_grace_s` to answer, then stops every worker process and raises
+    `WorkerError`; the executor is unusable from then on (its process group is broken),
+    and says so on every later call. A call that fails on every rank (a bad argument)
+    leaves the executor usable."""
+
+    failure_grace_s = 5.0
+    """How long the other ranks may take to answer once one rank has failed."""
+
+    def __init__(self, config: WorkerConfig, worker_cls: type[Worker] = Worker) -> None:
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.conns = []
         self.procs = []
+        self.broken: str | None = None
+        """Why the workers were stopped, once a rank's failure broke the group."""
         for rank in range(config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(child, config, rank, init_method),
+                args=(child, config, rank, init_method, worker_cls),
                 name=f"spur-worker-{rank}",
                 daemon=True,
             )
@@ -94,21 +109,54 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         if not isinstance(method, str):
             raise TypeError("MultiprocExecutor calls worker methods by name")
+        if self.broken is not None:
+            raise WorkerError(
+                f"{method}: the TP workers were stopped after a failure ({self.broken}); "
+                "create a new LLM"
+            )
         for conn in self.conns:
             conn.send((method, args, kwargs or {}))
-        results = []
-        errors = []
-        for rank, conn in enumerate(self.conns):
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "err", "the worker process died"
-            if status == "err":
-                errors.append(f"rank {rank}: {value}")
-            results.append(value)
+        results: list[Any] = [None] * len(self.conns)
+        errors: list[str] = []
+        pending = dict(enumerate(self.conns))
+        while pending:
+            timeout = self.failure_grace_s if errors else None
+            ready = mp_connection.wait(list(pending.values()), timeout=timeout)
+            if not ready:  # the others wait for the failed rank: the group is broken
+                ranks = ", ".join(map(str, sorted(pending)))
+                errors.append(
+                    f"rank {ranks}: no answer {self.failure_grace_s:g} s after "
+                    "the failure (waiting for the failed rank); stopped"
+                )
+                first = errors[0].rstrip().splitlines()
+                self.broken = first[0].split(":")[0] + ": " + first[-1].split(": ", 1)[-1]
+                self._kill()
+                break
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                del pending[rank]
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    code = self.procs[rank].exitcode
+                    status, value = "err", f"the worker process died (exit code {code})"
+                if status == "err":
+                    errors.append(f"rank {rank}: {value}")
+                results[rank] = value
         if errors:
             raise WorkerError(f"{method} failed on workers:\n" + "\n".join(errors))
         return results
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,))[0]

@@ -157,3 +157,56 @@ def test_column_row_and_vocab_shards_reassemble(monkeypatch):
     assert torch.equal(torch.cat(downs, dim=1), down)
     assert torch.equal(torch.cat(embs)[:10], emb)
     assert not torch.cat(embs)[10:].any()
+
+
+class _CollectiveWorker:
+    """Mixed into `Worker` below: `fail_on(rank)` raises on that rank while every
+    other rank waits for it in a barrier (a rank's OOM in the middle of a step);
+    rank -1 makes every rank raise (a bad argument)."""
+
+    def fail_on(self, rank: int) -> int:
+        if rank in (-1, self.rank):
+            raise RuntimeError(f"boom on rank {self.rank}")
+        dist.barrier()
+        return self.rank
+
+
+def _collective_worker_cls() -> type:
+    from spur.actors.worker.worker import Worker
+
+    return type("CollectiveWorker", (_CollectiveWorker, Worker), {"__module__": __name__})
+
+
+CollectiveWorker = _collective_worker_cls()
+
+
+@pytest.mark.timeout(300)
+def test_multiproc_executor_stops_the_group_when_one_rank_fails():
+    """One rank's exception must not leave its peers in a collective until gloo's
+    30-minute timeout: the call fails at once, naming the rank and its error, the
+    worker processes are gone, and later calls say why. A failure on every rank
+    (a bad argument) leaves the executor usable."""
+    from spur.actors.worker.executors import MultiprocExecutor, WorkerError
+    from spur.actors.worker.worker import WorkerConfig
+
+    config = WorkerConfig(model="(never loaded)", tensor_parallel_size=WORLD, num_threads=1)
+    ex = MultiprocExecutor(config, worker_cls=CollectiveWorker)
+    try:
+        assert ex.collective_rpc("fail_on", (WORLD,)) == [0, 1]  # no rank fails
+        with pytest.raises(WorkerError, match="boom on rank 0") as every:
+            ex.collective_rpc("fail_on", (-1,))
+        assert "boom on rank 1" in str(every.value)
+        assert len(ex.collective_rpc("ping")) == WORLD  # still usable
+        procs = list(ex.procs)
+        ex.failure_grace_s = 1.0
+        with pytest.raises(WorkerError) as one:
+            ex.collective_rpc("fail_on", (1,))
+        message = str(one.value)
+        assert "rank 1: Traceback" in message and "boom on rank 1" in message
+        assert "rank 0: no answer 1 s after the failure" in message
+        assert not any(p.is_alive() for p in procs)
+        gone = r"stopped after a failure \(rank 1: boom on rank 1\); create a new LLM"
+        with pytest.raises(WorkerError, match=gone):
+            ex.collective_rpc("ping")
+    finally:
+        ex.shutdown()
