@@ -125,7 +125,9 @@ def _log_drains() -> None:
 
 def stop(cfg: SpurConfig) -> None:
     """Graceful: Serve drains replicas (in-flight requests finish or are aborted
-    within graceful_shutdown_timeout_s), then an embedded Ray is shut down."""
+    within graceful_shutdown_timeout_s), then an embedded Ray is shut down. On a
+    joined cluster (`server.ray_address`) only spur's application and actors go:
+    Serve itself stops only when no other application is left."""
     import ray
     from ray import serve
 
@@ -137,7 +139,10 @@ def stop(cfg: SpurConfig) -> None:
     try:
         serve.delete(APP_NAME)
         _log_drains()
-        serve.shutdown()
+        # Serve on a joined cluster may run other applications: shutting it down
+        # would delete them too. It stops only with the last application.
+        if cfg.server.embedded_ray or not serve.status().applications:
+            serve.shutdown()
         kill_index()
         kill_limits()
     finally:

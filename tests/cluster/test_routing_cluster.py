@@ -632,3 +632,28 @@ def test_a_replica_that_fails_on_every_start_is_marked_down(env: Env) -> None:
         )
     finally:
         serve.delete("broken", _blocking=False)
+
+
+def test_zz_stopping_on_a_joined_cluster_leaves_other_applications(env: Env) -> None:
+    """`spur serve --ray-address ...` shares the cluster's Serve: on shutdown it deletes
+    its own application and actors, not another team's application. (Last in this
+    module: it stops spur's application.)"""
+    import httpx
+    from ray import serve
+
+    from spur.cluster import server
+    from spur.configs.loader import parse_config
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0, "resources": {"head": 0.01}})
+    def other(request: Any) -> str:
+        return "still here"
+
+    serve.run(other.bind(), name="other", route_prefix="/other")
+    joined = _config(env.model_dir, int(env.url.rsplit(":", 1)[1]))
+    joined["server"]["ray_address"] = env.cluster.address
+    cfg = parse_config(joined)
+    assert not cfg.server.embedded_ray
+    server.stop(cfg)
+    apps = serve.status().applications
+    assert "spur" not in apps and apps["other"].status == "RUNNING"
+    assert httpx.get(f"{env.url}/other", timeout=30).text == "still here"
