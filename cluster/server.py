@@ -123,11 +123,14 @@ def _log_drains() -> None:
         logger.warning("no drain reports: %s", exc)
 
 
-def stop(cfg: SpurConfig) -> None:
+def stop(cfg: SpurConfig, wait: bool = True) -> None:
     """Graceful: Serve drains replicas (in-flight requests finish or are aborted
     within graceful_shutdown_timeout_s), then an embedded Ray is shut down. On a
     joined cluster (`server.ray_address`) only spur's application and actors go:
-    Serve itself stops only when no other application is left."""
+    Serve itself stops only when no other application is left.
+
+    `wait=False` (a second signal): an embedded Ray is shut down at once, with every
+    replica; on a joined cluster the application's deletion is started, not awaited."""
     import ray
     from ray import serve
 
@@ -137,6 +140,12 @@ def stop(cfg: SpurConfig) -> None:
     if not ray.is_initialized():  # start failed before Ray ran: nothing to stop (and
         return  # serve.delete would start a Ray instance of its own)
     try:
+        if not wait:
+            if not cfg.server.embedded_ray:
+                serve.delete(APP_NAME, _blocking=False)
+                kill_index()
+                kill_limits()
+            return
         serve.delete(APP_NAME)
         _log_drains()
         # Serve on a joined cluster may run other applications: shutting it down
@@ -155,15 +164,22 @@ def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
 
     A signal while the application deploys (Serve waits for every replica, which may
     never come: no room for one) interrupts the deployment, then shuts down as after
-    serving; later, it starts the drain."""
+    serving; later, it starts the drain. A second signal during the drain or the
+    graceful stop cuts them short: `stop(wait=False)`."""
     stop_event = threading.Event()
     deploying = True
+    hurried = False  # a second signal: stop without waiting
 
     def on_signal(signum: int, _frame: Any) -> None:
-        logger.warning("signal %d: shutting down", signum)
-        stop_event.set()
         if deploying:
+            logger.warning("signal %d: shutting down", signum)
+            stop_event.set()
             raise KeyboardInterrupt  # out of serve.run's wait
+        if stop_event.is_set():
+            logger.warning("signal %d again: stopping now, without waiting for the drain", signum)
+            raise KeyboardInterrupt  # out of the drain's or the stop's wait
+        logger.warning("signal %d: draining (a second signal stops at once)", signum)
+        stop_event.set()
 
     def take_signals() -> None:  # ray.init installs its own SIGTERM handler (exit at once)
         for s in previous:
@@ -185,10 +201,19 @@ def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
             announce(url)
         while not stop_event.is_set():
             stop_event.wait(0.2)
-        drain(cfg, "the server received a stop signal")
+        try:
+            drain(cfg, "the server received a stop signal")
+        except KeyboardInterrupt:
+            hurried = True
     finally:
         try:
-            stop(cfg)
+            if not hurried:
+                try:
+                    stop(cfg)
+                except KeyboardInterrupt:
+                    hurried = True
+            if hurried:
+                stop(cfg, wait=False)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
