@@ -646,18 +646,16 @@ class Ingress:
             }
             for i, ids in enumerate(prompts)
         ]
-        fan = FanOut(
-            [
-                EngineStream(
-                    self._opener(lane, chat=chat),
-                    payload,
-                    max_attempts=int(self.router["max_attempts"]),
-                    on_event=self._on_event(lane.name),
-                )
-                for payload in payloads
-            ],
-            buffer=self.stream_buffer,
-        )
+        streams = [
+            EngineStream(
+                self._opener(lane, chat=chat),
+                payload,
+                max_attempts=int(self.router["max_attempts"]),
+                on_event=self._on_event(lane.name),
+            )
+            for payload in payloads
+        ]
+        fan = FanOut(streams, buffer=self.stream_buffer)
         released = False
 
         def release(completion_tokens: int) -> None:
@@ -687,7 +685,7 @@ class Ingress:
             outputs = await _collect(fan, params.n, prompts)
         except BaseException:  # a failed prompt, or the client went away: abort them all
             fan.close()
-            release(0)
+            release(sum(len(s.generated) for s in streams))  # what was computed is billed
             raise
         release(sum(len(c.token_ids) for o in outputs for c in o.outputs))
         for out in outputs:

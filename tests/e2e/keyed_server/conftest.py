@@ -19,13 +19,14 @@ from e2e.conftest import Launched, running, server_data, tiny_lane
 
 # -- a second server, with API keys ----------------------------------------------------------
 # alice, alice2: tenant acme (two keys of one tenant); bob: tenant globex; solo:
-# max_concurrent_requests 1; meter: tokens_per_minute 600; ops: the admin key.
+# max_concurrent_requests 1; meter: tokens_per_minute 600; quota: 400; ops: the admin key.
 KEYS = {
     "alice": "sk-alice-8c1f0e2a",
     "alice2": "sk-alice2-77d3b0aa",
     "bob": "sk-bob-4b9d61e0",
     "solo": "sk-solo-0a6e2f19",
     "meter": "sk-meter-5e80c3d4",
+    "quota": "sk-quota-3f5a9b27",
     "ops": "sk-ops-d2c48a11",
 }
 KEYS_TEXT = yaml.safe_dump(
@@ -36,6 +37,7 @@ KEYS_TEXT = yaml.safe_dump(
             {"key": KEYS["bob"], "name": "bob", "tenant": "globex"},
             {"key": KEYS["solo"], "name": "solo", "max_concurrent_requests": 1},
             {"key": KEYS["meter"], "name": "meter", "tokens_per_minute": 600},
+            {"key": KEYS["quota"], "name": "quota", "tokens_per_minute": 400},
             {"key": KEYS["ops"], "name": "ops", "admin": True},
         ]
     }

@@ -213,6 +213,45 @@ def test_tokens_per_minute_per_key(keyed_server: KeyedServer) -> None:
         assert error_of(too_big, 400)["code"] == "tokens_per_minute_exceeded"
 
 
+def test_a_non_streamed_request_left_by_its_client_is_billed_what_it_generated(
+    keyed_server: KeyedServer,
+) -> None:
+    """tokens_per_minute counts output too: a client that hangs up on a long
+    non-streamed request must not get its tokens for free (quota: 400 a minute)."""
+    body = json.dumps(
+        {"model": "tiny", "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
+    ).encode()
+    url = urlsplit(keyed_server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Authorization: Bearer {KEYS['quota']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with keyed_server.client("ops") as ops, keyed_server.client("quota") as quota:
+
+        def engine_when(ready: Any) -> dict[str, Any]:
+            deadline = time.monotonic() + 60
+            while True:
+                stats = ops.get("/admin/engines").json()["tiny"]
+                if ready(stats):
+                    return stats
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.05)
+
+        before = engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(head + body)
+            # alone on the server: one step, one token of this request
+            engine_when(lambda st: st["num_steps"] >= before["num_steps"] + 200)
+        engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+        # a few tokens of prompt plus about 200 generated, then 250 more: over 400
+        r = quota.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": list(range(1000, 1250)), "max_tokens": 1},
+        )
+        assert error_of(r, 429)["code"] == "tokens_per_minute_exceeded"
+
+
 def test_keys_never_appear_in_answers(keyed_server: KeyedServer) -> None:
     with keyed_server.client("ops") as ops:
         for path in ("/admin/config", "/admin/lanes", "/admin/engines", "/admin/routing"):
