@@ -112,9 +112,9 @@ OVERVIEW = Dashboard(
             "Prefix cache hit rate",
             (
                 (
+                    # no queries: no point (not 0, and not a rate cut by a floor of 1/s)
                     f"sum by (lane) (rate(vllm:prefix_cache_hits_total{SEL}[{RI}])) / "
-                    f"clamp_min(sum by (lane) (rate(vllm:prefix_cache_queries_total{SEL}[{RI}])),"
-                    " 1)",
+                    f"(sum by (lane) (rate(vllm:prefix_cache_queries_total{SEL}[{RI}])) > 0)",
                     "{{lane}}",
                 ),
             ),
@@ -340,11 +340,12 @@ ALERTS = (
     ),
     Alert(
         "SpurKVLeakViolations",
-        "sum by (lane, engine) (spur:kv_leak_violations_total) > 0",
+        "sum by (lane, engine) (increase(spur:kv_leak_violations_total[10m])) > 0",
         "0m",
         "critical",
-        "Engine {{ $labels.engine }} ({{ $labels.lane }}) holds more KV blocks than the "
-        "capacity formula allows: the claimed capacity is overstated.",
+        "A request on engine {{ $labels.engine }} ({{ $labels.lane }}) held more KV blocks "
+        "than the capacity formula allows in the last 10 minutes: the claimed capacity is "
+        "overstated.",
     ),
     Alert(
         "SpurHeldOverGeometry",
@@ -356,8 +357,12 @@ ALERTS = (
     ),
     Alert(
         "SpurRestartLoop",
+        # failures in the last 10 minutes; a node's series starts at its first
+        # failure (1), which increase() would not count: absent 10 minutes ago is 0
         "max by (lane, node) (spur:restart_loop) == 1 or "
-        "sum by (lane, node) (increase(spur:replica_start_failures_total[10m])) >= 3",
+        "sum by (lane, node) (spur:replica_start_failures_total) - ("
+        "sum by (lane, node) (spur:replica_start_failures_total offset 10m) or "
+        "0 * sum by (lane, node) (spur:replica_start_failures_total)) >= 3",
         "0m",
         "critical",
         "Replicas of lane {{ $labels.lane }} keep failing to start on {{ $labels.node }}.",
@@ -372,7 +377,9 @@ ALERTS = (
     ),
     Alert(
         "SpurHTTP5xx",
-        'sum by (route, status) (rate(spur:http_requests_total{status=~"5.."}[5m])) > 0',
+        # a readiness probe's 503 (starting, draining) is an answer, not a server error
+        'sum by (route, status) (rate(spur:http_requests_total{status=~"5..", '
+        'route!~"/health.*"}[5m])) > 0',
         "1m",
         "warning",
         "spur answers {{ $labels.status }} on {{ $labels.route }}.",

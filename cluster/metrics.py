@@ -393,7 +393,7 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
             ratio.add_metric(gl, g["ratio"])
             worst.add_metric(gl, g.get("worst_ratio", g["ratio"]))
             peak.add_metric(gl, g["peak_ratio"])
-        info = snap.get("info", {})
+        info = snap.get("info", {}) if live else {}  # a departed replica claims nothing
         if "claimed_max_concurrency" in info:
             claimed.add_metric(labels, info["claimed_max_concurrency"])
             pool.add_metric(labels, info["pool_tokens"])

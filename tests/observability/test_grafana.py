@@ -196,17 +196,147 @@ def test_export_writes_three_dashboards_and_the_chart_copies_are_fresh(tmp_path:
 
 
 def test_promtool_accepts_the_rules() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("no `promtool`: install Debian's prometheus package (.ci/run does)")
     res = subprocess.run(
-        [promtool, "check", "rules", str(ROOT / "helm" / "spur" / "files" / "alerts.yaml")],
+        [_promtool(), "check", "rules", str(ROOT / "helm" / "spur" / "files" / "alerts.yaml")],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"SUCCESS: {len(D.ALERTS)} rules found" in res.stdout
+
+
+def _promtool() -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("no `promtool`: install Debian's prometheus package (.ci/run does)")
+    return promtool
+
+
+def _panel_expr(title: str) -> str:
+    """A panel's first query, with the dashboard variables set to match everything."""
+    panel = next(p for d in D.DASHBOARDS for p in d.panels if p.title == title)
+    return (
+        panel.targets[0][0]
+        .replace("$lane", ".*")
+        .replace("$model", ".*")
+        .replace("$__rate_interval", "5m")
+    )
+
+
+def _fired(name: str, **labels: str) -> dict[str, Any]:
+    """promtool's expectation of alert `name` firing with `labels` (its summary filled)."""
+    alert = next(a for a in D.ALERTS if a.name == name)
+    summary = alert.summary
+    for key, value in labels.items():
+        summary = summary.replace(f"{{{{ $labels.{key} }}}}", value)
+    return {
+        "exp_labels": {"severity": alert.severity, **labels},
+        "exp_annotations": {"summary": summary},
+    }
+
+
+def test_the_alerts_fire_and_resolve_on_synthetic_series(tmp_path: Path) -> None:
+    """`promtool test rules` on the chart's rule file: each alert fires when its
+    condition holds and clears when it stops, and ordinary answers do not page."""
+    rules = ROOT / "helm" / "spur" / "files" / "alerts.yaml"
+    engine = 'lane="chat",engine="r1",model_name="smol",serves="chat"'
+    hit_rate = _panel_expr("Prefix cache hit rate")
+    tests = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "15s",
+        "tests": [
+            {  # one violation at 1 min: it pages, then clears (it used to fire for good)
+                "name": "leak_fires_then_resolves",
+                "interval": "1m",
+                "input_series": [
+                    {"series": f"spur:kv_leak_violations_total{{{engine}}}", "values": "0 1x180"}
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "2m",
+                        "alertname": "SpurKVLeakViolations",
+                        "exp_alerts": [_fired("SpurKVLeakViolations", lane="chat", engine="r1")],
+                    },
+                    {"eval_time": "150m", "alertname": "SpurKVLeakViolations", "exp_alerts": []},
+                ],
+            },
+            {  # a node whose counter series is born at its first failure (1): failures
+                # at 0, 4 and 8 min are 3 in 10 min; 2 min later, only 2 are
+                "name": "slow_restart_loop_on_a_fresh_node",
+                "interval": "15s",
+                "input_series": [
+                    {
+                        "series": 'spur:replica_start_failures_total{lane="chat",node="n2"}',
+                        "values": "1x15 2x15 3x15 3x40",
+                    },
+                    {"series": 'spur:restart_loop{lane="chat",node="n2"}', "values": "0x90"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "7m", "alertname": "SpurRestartLoop", "exp_alerts": []},
+                    {
+                        "eval_time": "9m",
+                        "alertname": "SpurRestartLoop",
+                        "exp_alerts": [_fired("SpurRestartLoop", lane="chat", node="n2")],
+                    },
+                    {"eval_time": "11m", "alertname": "SpurRestartLoop", "exp_alerts": []},
+                ],
+            },
+            {  # readiness probes answered 503 for 10 minutes (a long model load) do not
+                # page; an API route's 500s do
+                "name": "http_5xx",
+                "interval": "10s",
+                "input_series": [
+                    {
+                        "series": 'spur:http_requests_total{route="/health",status="503"}',
+                        "values": "0+1x60",
+                    },
+                    {
+                        "series": 'spur:http_requests_total{route="/v1/completions",status="500"}',
+                        "values": "0x20 0+1x40",
+                    },
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "10m",
+                        "alertname": "SpurHTTP5xx",
+                        "exp_alerts": [
+                            _fired("SpurHTTP5xx", route="/v1/completions", status="500")
+                        ],
+                    },
+                ],
+            },
+            {  # the hit-rate panel at 0.5 queried tokens/s, every one a hit: 1, not 0.5;
+                # no queries at all: no point rather than 0
+                "name": "prefix_hit_rate_panel",
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": f"vllm:prefix_cache_queries_total{{{engine}}}",
+                        "values": "0+30x20 600x20",
+                    },
+                    {
+                        "series": f"vllm:prefix_cache_hits_total{{{engine}}}",
+                        "values": "0+30x20 600x20",
+                    },
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": hit_rate,
+                        "eval_time": "15m",
+                        "exp_samples": [{"labels": '{lane="chat"}', "value": 1}],
+                    },
+                    {"expr": hit_rate, "eval_time": "35m", "exp_samples": []},
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "alerts_test.yaml"
+    path.write_text(json.dumps(tests))  # JSON is YAML
+    res = subprocess.run(
+        [_promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_requests_works_next_to_grafana_client(grafana: tuple[str, StandIn]) -> None:

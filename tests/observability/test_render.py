@@ -92,10 +92,12 @@ def test_routes_are_bounded() -> None:
 
 def test_a_failed_or_departed_replica_keeps_its_totals_but_not_its_gauges() -> None:
     """r1 died running 7 requests, r2 replaced it idle, r3 drained away (no longer in
-    the index): the sum of vllm:num_requests_running over engines is r2's 0, not 7."""
+    the index): the sum of vllm:num_requests_running over engines is r2's 0, not 7,
+    and the lane claims r2's capacity only (the capacity dashboard sums it by lane)."""
     store = MetricsStore(retain_s=600, clock=Clock())
     for rid, running in (("r1", 7), ("r2", 0), ("r3", 2)):
-        m = EngineMetrics(max_model_len=128)
+        info = {"claimed_max_concurrency": 8, "pool_tokens": 1024}
+        m = EngineMetrics(max_model_len=128, info=info)
         m.prompt_tokens, m.num_running = 10, running
         store.update_engine(rid, "chat", m.snapshot())
     replicas = [
@@ -108,6 +110,11 @@ def test_a_failed_or_departed_replica_keeps_its_totals_but_not_its_gauges() -> N
     assert running == {"r2": 0.0}
     prompt = {lab["engine"]: v for lab, v in got["vllm:prompt_tokens_total"]}
     assert prompt == {"r1": 10.0, "r2": 10.0, "r3": 10.0}  # totals stay
+    for name, value in (
+        ("spur:capacity_claimed_max_concurrency", 8.0),
+        ("spur:capacity_pool_tokens", 1024.0),
+    ):
+        assert {lab["engine"]: v for lab, v in got[name]} == {"r2": value}, name
 
 
 def test_a_drained_replicas_last_snapshot_reaches_the_store() -> None:
