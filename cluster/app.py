@@ -81,8 +81,16 @@ def _router_config(lane: str, router: RouterConfig) -> RequestRouterConfig | Non
     )
 
 
+STATS_PUSH_S = 1.0
+"""How often engine replicas push their autoscaling stats to Serve's controller
+(Serve's `metrics_interval_s`, default 10 s; half the look-back when that is
+shorter). Ray 2.60 reads only this field: the RAY_SERVE_*_METRIC_PUSH_INTERVAL_S
+variables its deprecation note names are not read yet."""
+
+
 def serve_autoscaling_config(auto: AutoscalingConfig) -> dict[str, Any]:
-    """Serve's autoscaling_config of a lane (spur's policy, Serve's delays and bounds)."""
+    """Serve's autoscaling_config of a lane (spur's policy, Serve's delays and bounds,
+    stats pushed every `STATS_PUSH_S`)."""
     out: dict[str, Any] = {
         "min_replicas": auto.min_replicas,
         "initial_replicas": auto.min_replicas,
@@ -90,10 +98,9 @@ def serve_autoscaling_config(auto: AutoscalingConfig) -> dict[str, Any]:
         "upscale_delay_s": auto.upscale_delay_s,
         "downscale_delay_s": auto.downscale_delay_s,
         "look_back_period_s": auto.look_back_period_s,
+        "metrics_interval_s": min(STATS_PUSH_S, auto.look_back_period_s / 2),
         "policy": {"policy_function": POLICY_IMPORT_PATH},
     }
-    if auto.look_back_period_s <= 10.0:  # Serve's default interval must stay below it
-        out["metrics_interval_s"] = auto.look_back_period_s / 2
     return out
 
 

@@ -108,8 +108,6 @@ class FakeCluster:
         env.update(
             RAY_FAKE_CLUSTER="1",
             AUTOSCALER_UPDATE_INTERVAL_S="1",
-            # Autoscaling stats reach Serve's controller every second (default 10 s).
-            RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S="1",
             **self.env,
         )
         return env

@@ -42,8 +42,6 @@ def start(cfg: SpurConfig, on_ray_started: Callable[[], Any] | None = None) -> s
             # set by the user wins.
             if server.data_plane == "grpc":
                 os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")  # the HTTP proxy's hop
-            # Replicas push autoscaling stats to Serve's controller every second (default 10 s).
-            os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
             ray.init(
                 namespace=server.namespace,
                 num_cpus=server.num_cpus,

@@ -478,7 +478,8 @@ class AutoscalingConfig(_Section):
     (it drains within drain_timeout_s; its node goes when the node is idle)."""
     look_back_period_s: float = Field(12.0, gt=0.5, le=3600)
     """Window over which Serve averages each replica's reported stats before the
-    policy sees them (Serve wants it above its 10 s metrics interval)."""
+    policy sees them (replicas push them every second, or every half window when the
+    window is shorter than 2 s)."""
     target_ongoing_requests: float = Field(16.0, gt=0, le=100_000)
     """Running plus waiting requests per replica the lane aims for, counting the
     lane's requests on its spare as its own demand. Around scheduler.max_num_seqs."""

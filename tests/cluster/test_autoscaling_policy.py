@@ -193,3 +193,19 @@ def test_policy_state_reports_the_decision() -> None:
     ctx = _context(config, {"waiting": {"r0": 0.0}}, current=1, target=1, state={}, now=0.0)
     n, state = policy(ctx)
     assert n == 1 and state["spur"]["reason"] in ("hold", "bounds")
+
+
+@pytest.mark.parametrize(("look_back", "interval"), [(12.0, 1.0), (2.0, 1.0), (1.5, 0.75)])
+def test_replicas_push_their_stats_every_second(look_back: float, interval: float) -> None:
+    """Serve's default push interval is 10 s (the policy then sees stats 6 s old on
+    average, up to 11 s; BENCHMARKS.md, "Autoscaling"), and Ray 2.60 reads no
+    environment variable for it: the lane's config must carry it, below the window."""
+    from ray.serve.config import AutoscalingConfig
+
+    from spur.cluster.app import serve_autoscaling_config
+    from spur.configs.schema import AutoscalingConfig as LaneAutoscaling
+
+    lane = LaneAutoscaling(min_replicas=1, max_replicas=2, look_back_period_s=look_back)
+    with pytest.warns(DeprecationWarning, match="metrics_interval_s"):
+        serve = AutoscalingConfig(**serve_autoscaling_config(lane))
+    assert serve.metrics_interval_s == interval < serve.look_back_period_s

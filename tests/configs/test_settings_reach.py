@@ -738,8 +738,7 @@ def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     from spur.configs.loader import config_to_dict
 
     monkeypatch.setenv(KEYS_ENV, "keys:\n  - {key: sk-env-reach, name: from-env}\n")
-    for var in ("RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
-        monkeypatch.delenv(var, raising=False)  # start() may set them: restored afterwards
+    monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC", raising=False)  # start() may set it
     cfg = SpurConfig.model_validate(_outside_tree(tmp_path))
     d = _deployments(build_app(cfg))
 

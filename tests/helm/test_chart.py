@@ -691,6 +691,7 @@ def test_size_strings_follow_the_loader() -> None:
         {"min_replicas": 1, "max_replicas": 3},
         {"min_replicas": 2, "max_replicas": 4, "upscale_delay_s": 3, "downscale_delay_s": 45.5},
         {"min_replicas": 1, "max_replicas": 2, "look_back_period_s": 4},
+        {"min_replicas": 1, "max_replicas": 2, "look_back_period_s": 1.5},
     ],
 )
 def test_serve_autoscaling_config_is_the_apps(render: Any, autoscaling: dict[str, Any]) -> None:

@@ -92,13 +92,10 @@ def test_serve_printed_the_effective_config_and_the_endpoint(spur_server: Any) -
 def test_the_embedded_rays_processes_inherit_what_spur_serve_sets(spur_server: Any) -> None:
     """The variables `spur serve` sets for an embedded Ray reach the processes that read
     them (they inherit the environment as it is when `ray.init` starts the raylet):
-    replicas push autoscaling stats every second, the HTTP proxy uses gRPC."""
+    the HTTP proxy uses gRPC."""
     import psutil
 
-    wanted = {  # process -> the variable it must hold as "1"
-        "ServeReplica:spur:engine-tiny": "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
-        "ProxyActor": "RAY_SERVE_PROXY_USE_GRPC",
-    }
+    wanted = {"ProxyActor": "RAY_SERVE_PROXY_USE_GRPC"}  # process -> its variable, "1"
     seen = {}
     for pid, cmdline in spur_server.processes().items():
         for name, var in wanted.items():
