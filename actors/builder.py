@@ -6,6 +6,7 @@ the KV pool and the scheduler the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -200,6 +201,22 @@ class EngineArgs:
         gen_config.check_defaults(defaults, source)
         return defaults
 
+    def more_eos_token_ids(self, model_dir: str, primary: int | None) -> tuple[int, ...]:
+        """EOS ids every request stops at besides `primary` (`gen_config.more_eos_token_ids`:
+        generation_config.json's, else config.json's, under "auto"). Raises ValueError
+        naming the file for an eos_token_id that is not ids."""
+        folder = Path(model_dir)
+        has_file = (folder / gen_config.FILE_NAME).is_file()
+        source = folder / (gen_config.FILE_NAME if has_file else "config.json")
+        file_cfg = gen_config.read_generation_config(folder) if has_file else None
+        model_cfg: dict[str, Any] = {}
+        if not has_file and (folder / "config.json").is_file():
+            loaded = json.loads((folder / "config.json").read_text())
+            model_cfg = loaded if isinstance(loaded, dict) else {}
+        return gen_config.more_eos_token_ids(
+            file_cfg, model_cfg, self.generation_config, primary, str(source)
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -214,6 +231,9 @@ class Engine:
     sampling_defaults: SamplingDefaults
     """Requests' sampling defaults (actors/generation_config.py): the LLM's
     `get_default_sampling_params`, and the ingress reads them from the replica's stats."""
+    more_eos_token_ids: tuple[int, ...] = ()
+    """EOS ids besides `info.eos_token_id` that end every request without ignore_eos
+    (`generation_config.with_eos`, applied where requests enter the engine)."""
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -242,6 +262,7 @@ def build_engine(
                 "give kv_cache_bytes more memory or lower block_size"
             )
         sampling_defaults = args.sampling_defaults(info.model_dir)
+        more_eos = args.more_eos_token_ids(info.model_dir, info.eos_token_id)
         executor.collective_rpc("initialize_cache", (num_blocks,))
         groups = cache_groups(info)
         kv_config = KVCacheConfig(
@@ -252,6 +273,13 @@ def build_engine(
             hash_seed=args.hash_seed,
         )
         max_model_len = args.max_model_len
+        if max_model_len is not None and max_model_len > info.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len:,} is more than the model's "
+                f"max_position_embeddings ({info.max_position_embeddings:,}, its config.json): "
+                "positions past it have no rotary embedding; lower max_model_len to at most "
+                f"{info.max_position_embeddings:,} (or leave it unset)"
+            )
         if max_model_len is None:
             max_model_len = min(
                 info.max_position_embeddings,
@@ -281,8 +309,18 @@ def build_engine(
         sampling_defaults, args.generation_config, Path(info.model_dir).name
     )
     logger.log(level, message)
+    if more_eos:
+        logger.info(
+            "EOS ids: %s and %s (the model's generation config)", info.eos_token_id, list(more_eos)
+        )
     return Engine(
-        EngineCore(scheduler, executor), scheduler, executor, info, args, sampling_defaults
+        EngineCore(scheduler, executor),
+        scheduler,
+        executor,
+        info,
+        args,
+        sampling_defaults,
+        more_eos,
     )
 
 

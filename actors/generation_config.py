@@ -9,17 +9,21 @@ out; `--generation-config vllm` ignores the file. spur does the same:
     engine.model.override_generation_config  the same keys, set over the file's
 
 The fields: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (the
-default of max_tokens). Others (do_sample, eos_token_id, ...) are not sampling defaults
-and are ignored, as vLLM ignores them. A request's own value always wins, except that an
-override's max_new_tokens caps every request's max_tokens (vLLM's rule too). Values are
-checked where the engine is built (`check_defaults`), so a bad file stops the engine at start
-with its path, not each request.
+default of max_tokens). Others (do_sample, ...) are not sampling defaults and are ignored,
+as vLLM ignores them. `eos_token_id` is not a default either but, as in vLLM
+(`SamplingParams.update_from_generation_config`), every id it lists ends a request that
+does not set ignore_eos (`more_eos_token_ids`, `with_eos`): Llama 3.1 Instruct's
+`<|eot_id|>` and Qwen2.5's `<|endoftext|>` are listed there, not as the model's first EOS.
+A request's own value always wins, except that an override's max_new_tokens caps every
+request's max_tokens (vLLM's rule too). Values are checked where the engine is built
+(`check_defaults`), so a bad file stops the engine at start with its path, not each request.
 
 Pure: the standard library only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -134,6 +138,47 @@ def sampling_defaults(
     values = {FIELDS[k]: _whole(v) for k, v in merged.items() if k in FIELDS and v is not None}
     cap = overrides.get("max_new_tokens")
     return SamplingDefaults(values, None if cap is None else _whole(cap))
+
+
+def more_eos_token_ids(
+    file_config: Mapping[str, Any] | None,
+    model_config: Mapping[str, Any],
+    mode: str,
+    primary: int | None,
+    source: str,
+) -> tuple[int, ...]:
+    """EOS ids beyond `primary` (the one every request stops at): under "auto" those of
+    generation_config.json (`file_config`; None when the folder has no file, and then
+    config.json's, `model_config`, as transformers' GenerationConfig.from_model_config
+    takes them); under "vllm" none (vLLM's `--generation-config vllm` reads no file).
+
+    Raises:
+        ValueError: an eos_token_id that is not an id or a list of ids (names `source`).
+    """
+    if mode == "vllm":
+        return ()
+    config = model_config if file_config is None else file_config
+    value = config.get("eos_token_id")
+    if value is None:
+        return ()
+    ids = [value] if not isinstance(value, list) else value
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(
+            f"{source}: eos_token_id {value!r} is not a token id or a list of them: fix it, "
+            "or set engine.model.generation_config: vllm to ignore the model's file"
+        )
+    return tuple(dict.fromkeys(i for i in ids if i != primary))
+
+
+def with_eos(params: SamplingParams, eos_ids: tuple[int, ...]) -> SamplingParams:
+    """`params` stopping at `eos_ids` too (added to stop_token_ids, so min_tokens masks
+    them and their text stays out of the output), unless it sets ignore_eos."""
+    if not eos_ids or params.ignore_eos:
+        return params
+    merged = tuple(dict.fromkeys((*params.stop_token_ids, *eos_ids)))
+    if merged == params.stop_token_ids:
+        return params
+    return dataclasses.replace(params, stop_token_ids=merged)
 
 
 def _whole(value: Any) -> Any:

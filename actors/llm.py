@@ -18,6 +18,7 @@ from spur.actors.engine.core.request import RequestStatus
 from spur.actors.engine.core.scheduler import check_token_ids
 from spur.actors.engine.shell.chat_template import chat_token_ids
 from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
+from spur.actors.generation_config import with_eos
 from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class LLM:
         self.executor = built.executor
         self.info = built.info
         self.sampling_defaults = built.sampling_defaults
+        self.more_eos_token_ids = built.more_eos_token_ids
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self.last_run_stats: dict[str, Any] = {}
@@ -98,6 +100,7 @@ class LLM:
         rid = str(next(self._ids))
         token_ids = self.encode(prompt)
         check_token_ids(token_ids, self.info.vocab_size)
+        params = with_eos(params, self.more_eos_token_ids)
         request = self.scheduler.make_request(
             rid, token_ids, params, eos_token_id=self.info.eos_token_id
         )

@@ -16,10 +16,13 @@ from spur.actors.generation_config import (
     SamplingDefaults,
     check_defaults,
     describe,
+    more_eos_token_ids,
     read_generation_config,
     sampling_defaults,
     startup_message,
+    with_eos,
 )
+from spur.actors.step import SamplingParams
 from spur.configs.schema import GenerationKey, ModelConfig
 
 QWEN3 = {  # Qwen3's file: sampling keys among others that are not sampling defaults
@@ -164,3 +167,32 @@ def test_describe() -> None:
     assert line == (
         "max_tokens=8, temperature=0.6, top_k=20, top_p=0.95, every request's max_tokens at most 8"
     )
+
+
+def test_more_eos_ids_come_from_the_generation_config_else_the_model_config() -> None:
+    """As vLLM's update_from_generation_config: the file's eos ids beyond the model's
+    first; with no file, config.json's (transformers' from_model_config); none under
+    "vllm"."""
+    llama31 = [128001, 128008, 128009]  # Llama 3.1 Instruct: <|eot_id|> is the last
+    assert more_eos_token_ids({"eos_token_id": llama31}, {}, "auto", 128001, "f") == (
+        128008,
+        128009,
+    )
+    assert more_eos_token_ids(QWEN3, {"eos_token_id": 151645}, "auto", 151645, "f") == (151643,)
+    assert more_eos_token_ids({}, {"eos_token_id": llama31}, "auto", 128001, "f") == ()
+    assert more_eos_token_ids(None, {"eos_token_id": llama31}, "auto", 128001, "f") == (
+        128008,
+        128009,
+    )
+    assert more_eos_token_ids(QWEN3, {}, "vllm", 151645, "f") == ()
+    assert more_eos_token_ids({"eos_token_id": 7}, {}, "auto", 7, "f") == ()
+    with pytest.raises(ValueError, match=r"gen\.json: eos_token_id \['x'\] is not a token id"):
+        more_eos_token_ids({"eos_token_id": ["x"]}, {}, "auto", 1, "gen.json")
+
+
+def test_with_eos_adds_stop_ids_unless_ignore_eos() -> None:
+    params = SamplingParams(stop_token_ids=(5, 9))
+    assert with_eos(params, (9, 11)).stop_token_ids == (5, 9, 11)
+    assert with_eos(params, ()) is params
+    ignoring = SamplingParams(ignore_eos=True)
+    assert with_eos(ignoring, (11,)) is ignoring

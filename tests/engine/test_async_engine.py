@@ -383,3 +383,25 @@ async def collect_all(engine: AsyncEngine, rid: str, tokens: list[int], params) 
             final = item
     assert final is not None
     return final
+
+
+def test_the_models_other_eos_ids_end_requests_unless_they_ignore_eos():
+    """`more_eos_token_ids` (generation_config.json's eos list, as vLLM applies it):
+    a request stops at any of them, with the id as its stop_reason; ignore_eos runs on."""
+
+    async def run(more: tuple[int, ...], **params) -> RequestOutput:
+        core, sched, _ = make_engine(block_size=4, num_blocks=64, budget=24)
+        engine = AsyncEngine(core, None, eos_token_id=None, more_eos_token_ids=more)
+        try:
+            return await collect(engine, "r", list(range(10, 22)), max_tokens=12, **params)
+        finally:
+            await engine.shutdown()
+            sched.check_integrity()
+
+    free = asyncio.run(run(())).outputs[0].token_ids
+    stop = next(t for t in free[3:] if t not in free[:3])
+    k = free.index(stop)
+    out = asyncio.run(run((stop,))).outputs[0]
+    assert out.token_ids == free[: k + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert asyncio.run(run((stop,), ignore_eos=True)).outputs[0].token_ids == free

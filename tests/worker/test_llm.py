@@ -129,6 +129,56 @@ def test_bad_input_is_rejected_before_anything_runs(tiny_model_dir):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("source", ["generation_config.json", "config.json"])
+def test_the_generation_configs_eos_ids_end_requests(tiny_model_dir, tmp_path, source):
+    """Llama 3.1 Instruct lists [<|end_of_text|>, <|eom_id|>, <|eot_id|>]; the model's
+    first EOS is the first of them, and a chat turn ends at the last. Every listed id
+    ends a request (vLLM's update_from_generation_config), from generation_config.json,
+    or config.json when the folder has no generation config; not under "vllm"."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    prompt = make_prompts(1, seed=5)[0]
+    free = SamplingParams(max_tokens=16, temperature=0)
+
+    def generate(params: SamplingParams = free, **kwargs) -> tuple[list[int], str, object]:
+        llm = LLM(str(folder), num_kv_blocks=32, block_size=4, **kwargs)
+        try:
+            (out,) = llm.generate([prompt], params)
+            llm.scheduler.check_integrity()
+        finally:
+            llm.shutdown()
+        c = out.outputs[0]
+        return list(c.token_ids), c.finish_reason, c.stop_reason
+
+    config = json.loads((folder / "config.json").read_text())
+    primary = config["eos_token_id"]
+    tokens, _, _ = generate()
+    stop = next(t for t in tokens[3:] if t not in tokens[:3] and t != primary)
+    k = tokens.index(stop)
+    if source == "config.json":
+        config["eos_token_id"] = [primary, stop]
+        (folder / "config.json").write_text(json.dumps(config))
+    else:
+        (folder / source).write_text(json.dumps({"eos_token_id": [primary, stop]}))
+    assert generate() == (tokens[: k + 1], "stop", stop)
+    ignoring = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert generate(ignoring)[0] == tokens
+    assert generate(generation_config="vllm")[0] == tokens
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(tiny_model_dir):
+    import json
+
+    path = tiny_model_dir("llama")
+    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"max_model_len {limit + 1:,} is more than the model"):
+        LLM(str(path), num_kv_blocks=64, block_size=4, max_model_len=limit + 1)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_equals_1(tiny_model_dir):
     prompts = make_prompts(4, seed=2)

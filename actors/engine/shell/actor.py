@@ -139,6 +139,7 @@ class EngineReplica:
                 self.built.core,
                 self.tokenizer,
                 eos_token_id=self.built.info.eos_token_id,
+                more_eos_token_ids=self.built.more_eos_token_ids,
                 vocab_size=self.built.info.vocab_size,
                 stream_interval=self.args.stream_interval,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,

@@ -31,6 +31,7 @@ from spur.actors.engine.core.request import RequestStatus
 from spur.actors.engine.core.scheduler import check_token_ids
 from spur.actors.engine.shell.metrics import EngineMetrics
 from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
+from spur.actors.generation_config import with_eos
 from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class AsyncEngine:
         tokenizer: Any | None,
         *,
         eos_token_id: int | None,
+        more_eos_token_ids: tuple[int, ...] = (),
         vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
         stream_interval: int = 1,
@@ -123,6 +125,8 @@ class AsyncEngine:
         self.scheduler = core.scheduler
         self.processor = OutputProcessor(tokenizer)
         self.eos_token_id = eos_token_id
+        self.more_eos_token_ids = more_eos_token_ids
+        """The model's other EOS ids (`generation_config.with_eos`)."""
         self.vocab_size = vocab_size
         self.idle_wait_s = idle_wait_s
         self.stream_interval = stream_interval
@@ -346,11 +350,12 @@ class AsyncEngine:
                     self.metrics.on_abort(cmd.request_id)
                     self.metrics.refresh_gauges(sched)  # no step may follow to do it
             return
+        params = with_eos(cmd.params, self.more_eos_token_ids)
         try:
             request = sched.make_request(
                 cmd.request_id,
                 cmd.prompt_token_ids,
-                cmd.params,
+                params,
                 eos_token_id=self.eos_token_id,
                 priority=cmd.priority,
                 cache_salt=cmd.cache_salt,
@@ -360,7 +365,7 @@ class AsyncEngine:
             self._send(cmd.request_id, exc)
             return
         self.processor.add_request(
-            cmd.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params, resumed=cmd.resumed
+            cmd.request_id, cmd.prompt, cmd.prompt_token_ids, params, resumed=cmd.resumed
         )
         if self.metrics is not None:
             self.metrics.on_add(
