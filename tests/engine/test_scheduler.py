@@ -354,6 +354,20 @@ def test_state_models_refuse_a_chunk_limit_below_one_block(knob):
     assert f"raise {name} to at least 8" in str(info.value)
 
 
+def test_state_models_warn_when_decodes_can_hold_back_every_prefill(caplog):
+    """Decodes take the step's budget first; a state model's prefill chunk is whole
+    blocks, so past budget - block_size + 1 decodes no prefill runs until one ends."""
+    with caplog.at_level("WARNING", logger="spur.actors.engine.core.scheduler"):
+        make_engine(block_size=8, num_blocks=200, groups=(FULL, STATE), budget=16)
+    assert "while more than 8 requests decode" in caplog.text
+    assert "raise max_num_batched_tokens to at least 23" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spur.actors.engine.core.scheduler"):
+        make_engine(block_size=8, num_blocks=200, groups=(FULL, STATE), budget=23)
+        make_engine(block_size=8, num_blocks=200, groups=(FULL,), budget=16)
+    assert "requests decode" not in caplog.text
+
+
 def test_a_request_finished_while_preempted_is_reported_to_the_worker():
     """The worker keeps a preempted request's sampler state (seeded generator, penalty
     counts) for its return; if it ends while waiting (abort, stop string), the next

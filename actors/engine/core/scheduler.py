@@ -158,6 +158,20 @@ class Scheduler:
                     "layers computes its prefill in whole blocks, so no chunk could run; "
                     f"raise {name} to at least {bs} (or lower block_size)"
                 )
+        budget, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if budget < bs + seqs - 1:
+            # Each decode takes a token of the step's budget first: past budget - bs + 1
+            # of them, what is left is less than a block and no prefill chunk runs.
+            logger.warning(
+                "max_num_batched_tokens=%d with block_size=%d: while more than %d requests "
+                "decode, a prompt's prefill (whole blocks, for the recurrent-state layers) "
+                "waits until some finish; raise max_num_batched_tokens to at least %d "
+                "(block_size + max_num_seqs - 1) so it never does",
+                budget,
+                bs,
+                budget - bs,
+                bs + seqs - 1,
+            )
 
     def _check_fits_one_request(self, kv_config: KVCacheConfig) -> None:
         bs, chunk = kv_config.block_size, self.config.max_num_batched_tokens
