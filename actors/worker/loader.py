@@ -307,7 +307,31 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 # ---------------------------------------------------------------------------
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
 def _checkpoint_files(path: Path) -> list[Path]:
+    """The folder's weight files: those its index (`model.safetensors.index.json`)
+    maps tensors to when it has one, as transformers and vLLM read a sharded
+    checkpoint (other .safetensors files, such as Mistral's `consolidated.safetensors`
+    beside the shards or a stale copy, are not weights of this model); else every
+    *.safetensors file."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(
+                f"{index} cannot be read as a safetensors index ({exc!r}): fix or remove it"
+            ) from None
+        absent = [n for n in names if not (path / n).is_file()]
+        if absent:
+            raise ModelLoadError(
+                f"{index} maps tensors to {', '.join(absent)}, which the folder lacks: "
+                "the download is incomplete"
+            )
+        return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(

@@ -114,6 +114,35 @@ def test_non_gguf_file_rejected(tmp_path):
 # ---- successful loads ----------------------------------------------------------
 
 
+def test_a_sharded_checkpoint_loads_the_files_its_index_names(tmp_path, tiny_model_dir):
+    """As transformers and vLLM: with model.safetensors.index.json only the files it maps
+    are weights (a stale or consolidated copy beside the shards is not), and a shard it
+    maps that is missing is an incomplete download."""
+    path = _copy(tiny_model_dir("llama"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, path / file, metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    stale = {k: torch.zeros_like(v) for k, v in tensors.items()}  # sorts after the shards
+    save_file(stale, path / "old-copy.safetensors", metadata={"format": "pt"})
+    model = load_model(path, dtype="float32", device="cpu").model
+    norm = dict(model.named_parameters())["model.norm.weight"]
+    assert torch.equal(norm, tensors["model.norm.weight"])
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(
+        ModelLoadError,
+        match=r"maps tensors to model-00002-of-00002\.safetensors, which the folder lacks",
+    ):
+        load_model(path, dtype="float32", device="cpu")
+
+
 def test_loaded_model_and_tied_weights(tiny_model_dir):
     loaded = load_model(tiny_model_dir("llama_tied"), dtype="auto", device="cpu")
     model = loaded.model
