@@ -81,6 +81,8 @@ class EngineStream:
         self.gen: Any = None
         self.replica_id: str | None = None
         self.generated: list[int] = []
+        self.streamed_chars = 0
+        """Characters of text the client has received (a continuation resumes there)."""
         self.finished = False
         self.ended = False
         self.done_indices: set[int] = set()
@@ -127,6 +129,7 @@ class EngineStream:
             self.replica_id = item["replica_id"]
         if item.get("type") == "delta":
             self.generated.extend(item.get("token_ids", ()))
+            self.streamed_chars += len(item.get("text") or "")
             if item.get("finish_reason") is not None:
                 self.done_indices.add(item.get("index", 0))
                 self.finished = len(self.done_indices) >= self.n
@@ -182,6 +185,7 @@ class EngineStream:
             "prompt_token_ids": list(self.payload["prompt_token_ids"]) + self.generated,
             "sampling_params": params,
             "resumed": done,
+            "resumed_chars": self.streamed_chars,
         }
         payload.pop("block_hashes", None)  # the opener hashes the new prompt
         if not planned:

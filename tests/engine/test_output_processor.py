@@ -78,11 +78,12 @@ def test_stop_strings_wait_for_min_tokens(smol):
     assert (out.text, out.finish_reason, out.stop_reason) == (" Hi. How are you", "stop", ".")
 
 
-def _stream_over_a_break(tok, text: str, k: int, params: SamplingParams):
-    """`text`'s ids as output: the first `k` from one processor (the replica that
-    died), the rest from a second one given prompt + those ids with resumed=k (the
-    failover continuation). Returns (all streamed text, the final output's stop)."""
-    prompt, ids = tok.encode("Hello"), tok.encode(text)
+def _stream_over_a_break(tok, text: str, k: int, params: SamplingParams, ids=None):
+    """`text`'s ids (or `ids`) as output: the first `k` from one processor (the replica
+    that died), the rest from a second one given prompt + those ids with resumed=k and
+    the characters the client received (the failover continuation). Returns (all
+    streamed text, the final output's stop)."""
+    prompt, ids = tok.encode("Hello"), ids or tok.encode(text)
     first = OutputProcessor(tok)
     first.add_request("r", None, prompt, params)
     texts = []
@@ -93,7 +94,8 @@ def _stream_over_a_break(tok, text: str, k: int, params: SamplingParams):
             return "".join(texts), update.finished[0].outputs[0].stop_reason
     second = OutputProcessor(tok)
     rest = SamplingParams(**{**params.__dict__, "min_tokens": max(0, params.min_tokens - k)})
-    second.add_request("r-c1", None, prompt + ids[:k], rest, resumed=k)
+    received = len("".join(texts))  # what the ingress counted (EngineStream.streamed_chars)
+    second.add_request("r-c1", None, prompt + ids[:k], rest, resumed=k, resumed_chars=received)
     final = None
     for i, t in enumerate(ids[k:]):
         last = i == len(ids) - k - 1
@@ -113,6 +115,47 @@ def test_a_failover_continuation_loses_no_held_text(smol):
     n = len(smol.encode(text))
     for k in range(1, n):
         got, _ = _stream_over_a_break(smol, text, k, SamplingParams(max_tokens=50))
+        assert got == text, k
+
+
+@pytest.fixture(scope="module")
+def byte_fallback() -> tuple[transformers.PreTrainedTokenizerFast, dict[str, int]]:
+    """A Llama-2 / Mistral style tokenizer: SentencePiece pieces, characters outside
+    the vocabulary spelled as <0xNN> byte tokens, Llama-2's decoder."""
+    import tokenizers
+    from tokenizers import decoders as d
+
+    vocab = {"<unk>": 0, "</s>": 1}
+    vocab |= {f"<0x{b:02X}>": 2 + b for b in range(256)}
+    for piece in ("\u2581", "\u2581Hello", "\u2581The", "\u2581word", "\u2581is", "\u2581and"):
+        vocab[piece] = len(vocab)
+    model = tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
+    tok = tokenizers.Tokenizer(model)
+    tok.decoder = d.Sequence(
+        [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    return fast, vocab
+
+
+def test_a_failover_continuation_repeats_nothing_with_byte_tokens(byte_fallback):
+    """Fed the streamed ids at once, the continuation's decoder turns a run of byte
+    tokens that ends inside a character into U+FFFD throughout, so it holds back
+    characters the dead replica had already sent: the client's count says where the
+    text goes on (it used to send them twice: ' The word is 日日本語 and')."""
+    tok, vocab = byte_fallback
+    ids = []
+    for piece in ("\u2581The", "\u2581word", "\u2581is", "\u2581", "日本語", "\u2581and"):
+        ids += [vocab[piece]] if piece in vocab else [vocab[f"<0x{b:02X}>"] for b in piece.encode()]
+    assert tok.decode(ids) == "The word is 日本語 and"
+    text = " The word is 日本語 and"  # after the prompt, its first space is not stripped
+    for k in range(1, len(ids)):
+        got, _ = _stream_over_a_break(tok, text, k, SamplingParams(max_tokens=50), ids=ids)
         assert got == text, k
 
 

@@ -282,8 +282,9 @@ class EngineReplica:
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request. payload: request_id, prompt_token_ids,
         sampling_params (SamplingParams fields), optional prompt, priority,
-        cache_salt, resumed (a failover continuation: how many of the prompt's last ids
-        are output streamed by another replica; `AsyncEngine.generate`). Yields
+        cache_salt, resumed and resumed_chars (a failover continuation: how many of the
+        prompt's last ids are output streamed by another replica, and how many
+        characters of their text the client received; `AsyncEngine.generate`). Yields
         {"type": "delta", ...} items, then {"type": "final"} or a single
         {"type": "error", "status", "message", "param"}."""
         engine = self._engine()
@@ -307,6 +308,7 @@ class EngineReplica:
                 priority=int(payload.get("priority", 0)),
                 cache_salt=payload.get("cache_salt"),
                 resumed=int(payload.get("resumed", 0)),
+                resumed_chars=payload.get("resumed_chars"),
             )
             first = True
             async for item in stream:

@@ -51,6 +51,7 @@ class _Add:
     cache_salt: str | None
     resumed: int = 0
     arrival: float | None = None  # metrics clock, when the request reached the engine
+    resumed_chars: int | None = None
 
 
 @dataclass
@@ -167,6 +168,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         resumed: int = 0,
+        resumed_chars: int | None = None,
     ) -> AsyncIterator[Delta | RequestOutput]:
         """Stream a request's deltas, then its final RequestOutput. Raises
         RequestRejected before anything runs, EngineDeadError if the engine
@@ -174,8 +176,9 @@ class AsyncEngine:
         early aborts the request. Each completion's first delta goes out at once; later
         ones hold at least `stream_interval` tokens, but the last (its finish reason).
         `resumed`: the last `resumed` prompt ids are output that another replica
-        generated and streamed (a failover continuation, n == 1): the text continues
-        from theirs (see `OutputProcessor.add_request`)."""
+        generated and streamed (a failover continuation, n == 1), of whose text the
+        client received `resumed_chars` characters: the text continues from there (see
+        `OutputProcessor.add_request`)."""
         if self.error is not None:
             raise EngineDeadError(self.dead_message)
         self.validate(prompt_token_ids)
@@ -191,7 +194,15 @@ class AsyncEngine:
         arrival = self.metrics.clock() if self.metrics is not None else None
         self._inbox.put(
             _Add(
-                request_id, prompt_token_ids, params, prompt, priority, cache_salt, resumed, arrival
+                request_id,
+                prompt_token_ids,
+                params,
+                prompt,
+                priority,
+                cache_salt,
+                resumed,
+                arrival,
+                resumed_chars,
             )
         )
         done = False
@@ -365,7 +376,12 @@ class AsyncEngine:
             self._send(cmd.request_id, exc)
             return
         self.processor.add_request(
-            cmd.request_id, cmd.prompt, cmd.prompt_token_ids, params, resumed=cmd.resumed
+            cmd.request_id,
+            cmd.prompt,
+            cmd.prompt_token_ids,
+            params,
+            resumed=cmd.resumed,
+            resumed_chars=cmd.resumed_chars,
         )
         if self.metrics is not None:
             self.metrics.on_add(

@@ -42,6 +42,10 @@ class _Tracked:
     output: RequestOutput
     detoks: list[Any]  # one IncrementalDetokenizer (or None) per completion
     include_stop: bool  # SamplingParams.include_stop_str_in_output
+    carry: str = ""
+    """A continuation's text the client has not received yet: sent before the next."""
+    skip: int = 0
+    """Characters of a continuation's coming text the client already received."""
 
 
 class OutputProcessor:
@@ -60,18 +64,25 @@ class OutputProcessor:
         params: SamplingParams,
         *,
         resumed: int = 0,
+        resumed_chars: int | None = None,
     ) -> None:
         """Track a request. `resumed` > 0: the last `resumed` prompt ids are output
         that another replica generated, and whose text it streamed (a failover
         continuation, n == 1). The detokenizer then starts where that replica's was:
-        over the ids before them as the prompt, fed those ids without passing on their
-        text. So the text it held back (the first bytes of a character, a possible
-        start of a stop string) still reaches the client, a stop string across the
-        break still matches, and min_tokens (the rest of it, in `params`) counts on."""
+        over the ids before them as the prompt, fed those ids. So a stop string across
+        the break still matches, and min_tokens (the rest of it, in `params`) counts on.
+        The text goes on from the `resumed_chars` characters the client received: what
+        that replica held back (the first bytes of a character, a possible start of a
+        stop string) still comes, and nothing comes twice, though this detokenizer,
+        fed the ids at once, holds back other text than that replica's did (a
+        byte-fallback tokenizer decodes a run of byte tokens that ends inside a
+        character as U+FFFD throughout). Without `resumed_chars`, the text fed here
+        is taken as what the client received."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         outputs = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)]
         detoks: list[Any] = []
+        carry, skip = "", 0
         cut = len(prompt_token_ids) - resumed
         for _ in range(params.n):
             if self.tokenizer is None:
@@ -89,12 +100,16 @@ class OutputProcessor:
                 min_tokens=params.min_tokens + resumed,
             )
             if resumed:
-                detok.update(prompt_token_ids[cut:])  # streamed by the other replica
+                caught_up = detok.update(prompt_token_ids[cut:])  # the other replica's
+                received = len(caught_up) if resumed_chars is None else resumed_chars
+                carry, skip = caught_up[received:], max(0, received - len(caught_up))
             detoks.append(detok)
         self.requests[request_id] = _Tracked(
             RequestOutput(request_id, prompt, list(prompt_token_ids), outputs),
             detoks,
             params.include_stop_str_in_output,
+            carry,
+            skip,
         )
 
     def abort(self, request_id: str) -> None:
@@ -133,6 +148,11 @@ class OutputProcessor:
                         update.to_finish.append(eo.req_id)
                 elif finish_reason is not None:
                     text += detok.finish()
+                if tracked.skip:  # a continuation: the client has this text already
+                    cut = min(tracked.skip, len(text))
+                    text, tracked.skip = text[cut:], tracked.skip - cut
+                if tracked.carry:
+                    text, tracked.carry = tracked.carry + text, ""
                 comp.text = detok.text
             comp.finish_reason = finish_reason
             comp.stop_reason = stop_reason
