@@ -90,3 +90,14 @@ def assert_all_free(sched: Scheduler) -> None:
     sched.check_integrity()
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def sp_ids(sp, pieces: list[str]) -> list[int]:
+    """Ids for words in the vocabulary, byte tokens for any other text."""
+    ids = []
+    for piece in pieces:
+        if piece in sp.vocab_map:
+            ids.append(sp.vocab_map[piece])
+        else:
+            ids.extend(sp.vocab_map[f"<0x{b:02X}>"] for b in piece.encode())
+    return ids

@@ -9,6 +9,8 @@ import pytest
 
 from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer
 
+from .helpers import sp_ids
+
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -17,50 +19,6 @@ C = IncrementalDetokenizer.CONTEXT_TOKENS
 ENGLISH = "The quick brown fox jumps over the lazy dog. It wasn't   there,\n\tnor here!"
 MULTIBYTE = "Héllo wörld 🙂 日本語で話す, 你好世界。 Ça va? naïve café ✓ 🚀🚀 Ünïcödé"
 CODE = "def f(x):\n    return {'a': [1, 2]}  # done\n\n"
-
-
-@pytest.fixture(scope="module")
-def smol():
-    """The SmolLM2 tokenizer (GPT-2 style byte-level BPE)."""
-    from spur.actors.worker.loader import resolve_model_dir
-
-    path = resolve_model_dir("SmolLM2-135M-Instruct")
-    return transformers.AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def sentencepiece():
-    """A tiny Llama-style tokenizer: '▁' marks spaces, characters missing from
-    the vocabulary fall back to <0xNN> byte tokens, decode strips one leading
-    space. Ids are built by hand (no merges): `sp.vocab` maps pieces to ids."""
-    vocab = {"<unk>": 0, "</s>": 1}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁Hello", "▁world", "!", "▁The", "▁end"]:
-        vocab[piece] = len(vocab)
-    model = tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
-    tok = tokenizers.Tokenizer(model)
-    d = tokenizers.decoders
-    tok.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0)])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="</s>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    )
-    fast.vocab_map = vocab
-    return fast
-
-
-def sp_ids(sp, pieces: list[str]) -> list[int]:
-    """Ids for words in the vocabulary, byte tokens for any other text."""
-    ids = []
-    for piece in pieces:
-        if piece in sp.vocab_map:
-            ids.append(sp.vocab_map[piece])
-        else:
-            ids.extend(sp.vocab_map[f"<0x{b:02X}>"] for b in piece.encode())
-    return ids
 
 
 class CountingTokenizer:

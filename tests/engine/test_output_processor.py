@@ -5,18 +5,12 @@ in its text unless include_stop_str_in_output asks for it (vLLM's rule)."""
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from spur.actors.engine.core.outputs import EngineCoreOutput
 from spur.actors.engine.shell.output_processor import OutputProcessor
 from spur.actors.step import SamplingParams
 
-
-@pytest.fixture(scope="module")
-def smol():
-    from spur.actors.worker.loader import resolve_model_dir
-
-    return transformers.AutoTokenizer.from_pretrained(resolve_model_dir("SmolLM2-135M-Instruct"))
+from .helpers import sp_ids
 
 
 def run(tok, params: SamplingParams, steps: list[tuple[list[int], str | None, object]]):
@@ -118,40 +112,13 @@ def test_a_failover_continuation_loses_no_held_text(smol):
         assert got == text, k
 
 
-@pytest.fixture(scope="module")
-def byte_fallback() -> tuple[transformers.PreTrainedTokenizerFast, dict[str, int]]:
-    """A Llama-2 / Mistral style tokenizer: SentencePiece pieces, characters outside
-    the vocabulary spelled as <0xNN> byte tokens, Llama-2's decoder."""
-    import tokenizers
-    from tokenizers import decoders as d
-
-    vocab = {"<unk>": 0, "</s>": 1}
-    vocab |= {f"<0x{b:02X}>": 2 + b for b in range(256)}
-    for piece in ("\u2581", "\u2581Hello", "\u2581The", "\u2581word", "\u2581is", "\u2581and"):
-        vocab[piece] = len(vocab)
-    model = tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
-    tok = tokenizers.Tokenizer(model)
-    tok.decoder = d.Sequence(
-        [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0)]
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="</s>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    )
-    return fast, vocab
-
-
-def test_a_failover_continuation_repeats_nothing_with_byte_tokens(byte_fallback):
+def test_a_failover_continuation_repeats_nothing_with_byte_tokens(sentencepiece):
     """Fed the streamed ids at once, the continuation's decoder turns a run of byte
     tokens that ends inside a character into U+FFFD throughout, so it holds back
     characters the dead replica had already sent: the client's count says where the
     text goes on (it used to send them twice: ' The word is 日日本語 and')."""
-    tok, vocab = byte_fallback
-    ids = []
-    for piece in ("\u2581The", "\u2581word", "\u2581is", "\u2581", "日本語", "\u2581and"):
-        ids += [vocab[piece]] if piece in vocab else [vocab[f"<0x{b:02X}>"] for b in piece.encode()]
+    tok = sentencepiece
+    ids = sp_ids(tok, ["\u2581The", "\u2581word", "\u2581is", "\u2581", "日本語", "\u2581and"])
     assert tok.decode(ids) == "The word is 日本語 and"
     text = " The word is 日本語 and"  # after the prompt, its first space is not stripped
     for k in range(1, len(ids)):
