@@ -34,6 +34,19 @@ if TYPE_CHECKING:
 TokenStr = Callable[[int], str]
 """Token id -> its text (e.g. `lambda t: tokenizer.decode([t])`), for logprobs."""
 
+
+class TokenStrings:
+    """A `TokenStr` that also knows each token's raw bytes (`detokenizer.token_bytes`),
+    which chat logprobs send as `bytes`; a plain `TokenStr` gives the UTF-8 of the
+    text, U+FFFD where a token holds part of a character."""
+
+    def __init__(self, text: TokenStr, raw: Callable[[int], bytes]) -> None:
+        self.text, self.raw = text, raw
+
+    def __call__(self, tid: int) -> str:
+        return self.text(tid)
+
+
 MIN_LOGPROB = -9999.0
 """What a -inf (or NaN) log-probability is sent as: JSON has no infinities (vLLM
 does the same)."""
@@ -173,14 +186,17 @@ def chat_logprobs(
     num_top: int | None = None,
 ) -> dict[str, Any]:
     """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token,
-    logprob, bytes}]}], "refusal": null}; `bytes` is the UTF-8 of the token's text."""
+    logprob, bytes}]}], "refusal": null}; `bytes` is the token's own bytes when
+    `token_str` is a `TokenStrings` (joined over a text's tokens, its UTF-8), else the
+    UTF-8 of its text."""
+    raw = token_str.raw if isinstance(token_str, TokenStrings) else None
 
     def entry(tid: int, logprob: float) -> dict[str, Any]:
         text = token_str(tid)
         return {
             "token": text,
             "logprob": _finite(logprob),
-            "bytes": list(text.encode("utf-8", errors="replace")),
+            "bytes": list(raw(tid) if raw else text.encode("utf-8", errors="replace")),
         }
 
     content = []

@@ -33,6 +33,7 @@ from ray import serve
 
 from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
 from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
+from spur.actors.engine.shell.detokenizer import token_bytes
 from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.generation_config import SamplingDefaults
 from spur.actors.step import Logprobs
@@ -238,6 +239,7 @@ class Ingress:
             for served in lane["served_model_names"]:
                 self.model_to_lane[served] = lane["name"]
         self.served = list(self.model_to_lane)
+        self._token_bytes: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> it, its bytes
         _SERVED[:] = self.served
         self._warned_fields: set[str] = set()
         router = config["router"]
@@ -513,9 +515,14 @@ class Ingress:
             "tokens_per_minute_exceeded",
         )
 
-    def _token_str(self, lane: Lane) -> Any:
+    def _token_str(self, lane: Lane) -> rs.TokenStrings:
+        """How logprobs spell the lane's tokens: their text, and their raw bytes (the
+        table behind them is built once per tokenizer)."""
         tok = lane.tokenizer
-        return lambda tid: tok.decode([tid], skip_special_tokens=False)
+        known = self._token_bytes.get(id(tok))
+        if known is None or known[0] is not tok:
+            known = self._token_bytes[id(tok)] = (tok, token_bytes(tok))
+        return rs.TokenStrings(lambda tid: tok.decode([tid], skip_special_tokens=False), known[1])
 
     def _ensure_monitor(self) -> None:
         loop = asyncio.get_running_loop()

@@ -360,6 +360,12 @@ def test_logprob_formats_and_non_finite_values() -> None:
     json.loads(rs.json_bytes(chat))  # finite, valid JSON
     with pytest.raises(ValueError):
         rs.chat_logprobs([1, 2], lps[:1], token_str)
+    # with the tokens' own bytes: a token holding the first byte of "é" says so
+    halves = rs.TokenStrings(lambda t: "\ufffd", lambda t: bytes([0xC3 if t == 99 else 0xA9]))
+    content = rs.chat_logprobs([99, 3], lps, halves, num_top=2)["content"]
+    assert [c["bytes"] for c in content] == [[0xC3], [0xA9]]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "é"
+    assert content[0]["token"] == "\ufffd" and content[0]["top_logprobs"][0]["bytes"] == [0xC3]
 
 
 def test_chunk_stream_skips_empty_deltas_and_finished_choices() -> None:

@@ -295,3 +295,26 @@ def test_invalid_utf8_run_keeps_the_window_bounded(smol):
     deltas = stream(IncrementalDetokenizer(counting, []), ids)
     assert "".join(deltas) == smol.decode(ids) == "\ufffd" * 200 + " ok"
     assert max(counting.lengths) <= IncrementalDetokenizer.MAX_WINDOW_TOKENS + 4
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, ENGLISH, CODE])
+def test_token_bytes_join_into_the_texts_utf8(smol, sentencepiece, text):
+    """OpenAI's logprobs `bytes`: a token that holds part of a character gives those
+    bytes (its own decode shows U+FFFD), so a text's tokens' bytes join into its UTF-8,
+    for a byte-level BPE (SmolLM2) and a byte-fallback tokenizer (Llama 2 style)."""
+    from spur.actors.engine.shell.detokenizer import token_bytes
+
+    of = token_bytes(smol)
+    ids = smol.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in smol.decode([t]) for t in ids) == (text == MULTIBYTE)
+    assert b"".join(of(t) for t in ids) == text.encode()
+    end = smol.convert_tokens_to_ids("<|im_end|>")
+    assert of(end) == b"<|im_end|>"
+
+    of = token_bytes(sentencepiece)
+    words = text.split(" ")
+    pieces = [words[0]]
+    for w in words[1:]:  # a word out of the vocabulary: its space, then its bytes
+        pieces += [f"\u2581{w}"] if f"\u2581{w}" in sentencepiece.vocab_map else ["\u2581", w]
+    ids = sp_ids(sentencepiece, [p for p in pieces if p])
+    assert b"".join(of(t) for t in ids) == text.encode()

@@ -32,8 +32,10 @@ clean-up looks across token boundaries, so a windowed decode cannot reproduce it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 _REPLACEMENT = "\ufffd"
 """What a decoder writes for bytes that are not (yet) valid UTF-8."""
@@ -284,3 +286,49 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
+
+
+# -- the bytes of one token (OpenAI's logprobs `bytes`) -----------------------------------
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """The types of a fast tokenizer's decoder (a Sequence's members too); empty when
+    it has none or is not a fast tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders") or [decoder]
+    return {str(p.get("type")) for p in parts if isinstance(p, dict)}
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+    """`tid -> the bytes token tid stands for`: OpenAI's logprobs `bytes`, which
+    "must be combined to generate the correct text representation", so a token that
+    holds part of a UTF-8 character gives those bytes, not the U+FFFD its own decode
+    shows. A byte-level BPE piece (GPT-2, SmolLM2, Llama 3, Qwen) maps through GPT-2's
+    byte table; a byte-fallback piece (Llama 2, Mistral) `<0xNN>` is the byte NN and
+    its '\u2581' a space; added tokens, and tokenizers of other kinds, give the UTF-8
+    of their own decode."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    kinds = _decoder_kinds(tokenizer)
+    table = {c: b for b, c in bytes_to_unicode().items()} if "ByteLevel" in kinds else None
+    fallback = "ByteFallback" in kinds
+    added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+
+    def of(tid: int) -> bytes:
+        if tid not in added and (table is not None or fallback):
+            piece = tokenizer.convert_ids_to_tokens(tid)
+            if isinstance(piece, str) and piece:
+                if table is not None and all(c in table for c in piece):
+                    return bytes(table[c] for c in piece)
+                if fallback:
+                    match = _BYTE_PIECE.fullmatch(piece)
+                    if match:
+                        return bytes([int(match.group(1), 16)])
+                    return piece.replace("\u2581", " ").encode()
+        return tokenizer.decode([tid], skip_special_tokens=False).encode("utf-8", "replace")
+
+    return of
