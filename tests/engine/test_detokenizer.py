@@ -131,6 +131,18 @@ def test_sentencepiece_leading_space_and_byte_fallback(sentencepiece):
     assert not any("\ufffd" in d for d in deltas)
 
 
+def test_sentencepiece_cut_inside_a_character_ends_in_one_replacement(sentencepiece):
+    """max_tokens cuts one byte into 語 after 日本, all three spelled in byte tokens:
+    the decoder makes the whole byte run U+FFFD, 日本 included (HF decode:
+    'Hello' + 7 x U+FFFD); the text keeps 日本, already streamed, and one U+FFFD
+    for the unfinished character (it used to end in five)."""
+    sp = sentencepiece
+    out = sp_ids(sp, ["\u2581Hello", "日本"]) + sp_ids(sp, ["語"])[:1]
+    detok = IncrementalDetokenizer(sp, [])
+    deltas = [detok.update([i]) for i in out] + [detok.finish()]
+    assert "".join(deltas) == detok.text == "Hello日本\ufffd"
+
+
 def test_sentencepiece_long_byte_fallback_run(sentencepiece):
     """90 byte tokens in a row: each 3-byte character spans 3 ids and the byte
     group never ends, so only some window starts decode cleanly."""

@@ -174,16 +174,23 @@ class IncrementalDetokenizer:
         return self._release(delta, final=False)
 
     def finish(self) -> str:
-        """End the stream (EOS, length, abort): return all text still held back,
-        U+FFFD of unfinished characters included. Idempotent; returns "" if a
+        """End the stream (EOS, length, abort): return all text still held back, an
+        unfinished character at the end as one U+FFFD. Idempotent; returns "" if a
         stop string already ended the text."""
         if self._finished:
             return ""
         self._finished = True
         if self._stopped_by is not None:
             return ""
-        tail = self._window_text[self._consumed :]
+        sent = self._consumed
+        tail = self._window_text[sent:]
         self._consumed = len(self._window_text)
+        if tail and len(self._window_text.rstrip(_REPLACEMENT)) < sent:
+            # The U+FFFD run reaches into text already passed on: a byte-fallback decoder
+            # turns the whole run of byte tokens that an unfinished character ends into
+            # U+FFFD, the characters before it included, so its count says nothing here.
+            # One U+FFFD stands for the unfinished character.
+            tail = _REPLACEMENT
         return self._release(tail, final=True)
 
     # -- token window ------------------------------------------------------
