@@ -70,7 +70,7 @@ from spur.cluster.bench.cpu import (
     warn_steal,
 )
 from spur.cluster.bench.progress import progress_bars
-from spur.cluster.bench.serve import WORDS, percentile_ms, sse_chunks
+from spur.cluster.bench.serve import WORDS, percentile_ms, sse_chunks, tpot_ms
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +333,7 @@ async def _one(
     return {
         "ttft": (first or end) - start,
         "itl": itl,
+        "latency": end - start,
         "tokens": tokens if tokens is not None else len(stamps),
         "usage": tokens is not None,
         "retried": retried,
@@ -391,6 +392,7 @@ def summarize(results: list[dict[str, Any]], elapsed: float, concurrency: int) -
         "ttft_ms_p99": percentile_ms([r["ttft"] for r in ok], 99),
         "itl_ms_p50": percentile_ms(itl, 50),
         "itl_ms_p99": percentile_ms(itl, 99),
+        **tpot_ms(ok),
     }
 
 

@@ -176,9 +176,19 @@ async def _http_level(
         "ttft_ms_p99": percentile_ms([r["ttft"] for r in ok], 99),
         "itl_ms_p50": percentile_ms(itl, 50),
         "itl_ms_p99": percentile_ms(itl, 99),
+        **tpot_ms(ok),
         "host_cpu": host,
         "client": lag.summary(),  # how late this client woke (cpu.ClientLag)
     }
+
+
+def tpot_ms(ok: list[dict[str, Any]]) -> dict[str, float | None]:
+    """vLLM's TPOT, p50 and p99 over requests: (latency - TTFT) / (tokens - 1), the time
+    per output token after the first. `itl_ms_*` are the gaps between streamed chunks
+    (vLLM's ITL), which hold several tokens each under stream_interval > 1 or a
+    client that fell behind; TPOT stays per token."""
+    per = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    return {"tpot_ms_p50": percentile_ms(per, 50), "tpot_ms_p99": percentile_ms(per, 99)}
 
 
 def _offline_level(

@@ -86,8 +86,8 @@ def test_goals_at_the_highest_concurrency() -> None:
 
 def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
     results = [
-        {"ttft": 0.1, "itl": [0.01, 0.03], "tokens": 3, "usage": True},
-        {"ttft": 0.3, "itl": [0.02], "tokens": 2, "usage": False},
+        {"ttft": 0.1, "itl": [0.01, 0.03], "latency": 0.14, "tokens": 3, "usage": True},
+        {"ttft": 0.3, "itl": [0.02], "latency": 0.32, "tokens": 2, "usage": False},
         {"error": "HTTP 503: busy"},
     ]
     s = peer.summarize(results, elapsed=0.5, concurrency=2)
@@ -95,6 +95,8 @@ def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
     assert s["tokens_per_s"] == 10.0 and s["tokens_from_usage"] is False
     assert s["ttft_ms_p50"] in (100.0, 300.0) and s["itl_ms_p99"] == 30.0
     assert s["error_samples"] == ["HTTP 503: busy"]
+    # TPOT per request: (latency - ttft) / (tokens - 1): 20 ms and 20 ms
+    assert s["tpot_ms_p50"] == s["tpot_ms_p99"] == pytest.approx(20.0)
     assert s["retried"] == 0
     results[0]["retried"] = 1
     assert peer.summarize(results, elapsed=0.5, concurrency=2)["retried"] == 1

@@ -29,6 +29,7 @@ def test_peer_arm_against_spur_serve(spur_server: Any) -> None:
     assert len(seen) == 4  # the progress callback ran once per request
     assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"]
     assert 0 < summary["itl_ms_p50"] <= summary["itl_ms_p99"]
+    assert 0 < summary["tpot_ms_p50"] <= summary["tpot_ms_p99"]
     assert summary["tokens_per_s"] > 0
     # The machine worked while the server generated (the server, this client).
     host = summary["host_cpu"]
