@@ -322,14 +322,24 @@ class _Request(_TopLevel):
     def _param_names(self, max_name: str) -> dict[str, str]:
         return {"max_tokens": max_name}
 
+    _prompt_param = "prompt"
+    """The field an error about the prompt's length names."""
+
     def check_room(self, prompt_tokens: int, max_model_len: int) -> None:
         """Raise ProtocolError (400) when the request's own max tokens do not fit after a
         prompt of `prompt_tokens` (the longest, for several prompts), as vLLM does; a
-        default max tokens is fitted to the room instead. A prompt with no room at all
-        is left to the engine's own error, which names the prompt."""
+        default max tokens is fitted to the room instead. A prompt with no room at all is
+        refused here too, with the engine's words: it never travels to an engine (a
+        prompt of millions of tokens would not fit Serve's 4 MiB gRPC messages)."""
         requested, name = self._max_tokens()
         if prompt_tokens >= max_model_len:
-            return
+            raise ProtocolError(
+                400,
+                f"prompt has {prompt_tokens:,} tokens, max_model_len is {max_model_len:,} "
+                "(prompt plus at least one generated token): shorten the prompt",
+                param=self._prompt_param,
+                code="context_length_exceeded",
+            )
         if requested is not None and prompt_tokens + requested > max_model_len:
             raise ProtocolError(
                 400,
@@ -434,6 +444,8 @@ class CompletionRequest(_Request):
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
+
+    _prompt_param = "messages"
 
     messages: list[ChatMessage]
     max_tokens: Int | None = None

@@ -758,7 +758,10 @@ def test_max_tokens_must_fit_the_room_and_null_means_the_room() -> None:
     assert (info.value.status, info.value.param) == (400, "max_completion_tokens")
     assert info.value.code == "context_length_exceeded" and "100 > 200 - 150" in info.value.message
     chat.check_room(100, 200)  # fits exactly
-    chat.check_room(250, 200)  # no room at all: the engine's error names the prompt
+    with pytest.raises(ProtocolError) as info:  # no room at all: refused before any engine
+        chat.check_room(250, 200)
+    assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    assert "prompt has 250 tokens, max_model_len is 200" in info.value.message
     rq.parse_request(rq.ChatCompletionRequest, chat_body()).check_room(199, 200)  # no own value
     null = rq.parse_request(rq.CompletionRequest, {"prompt": "x", "max_tokens": None})
     null.check_room(199, 200)

@@ -92,6 +92,16 @@ def test_bad_input_gets_its_4xx(
         assert {count["count"], count["max_model_len"]} <= numbers, error["message"]
 
 
+def test_a_prompt_of_megabytes_is_a_400_not_a_500(http: Any) -> None:
+    """Under the body limit (4 MiB) but far beyond max_model_len: refused by the ingress,
+    not sent to an engine (its ids and block hashes outgrew Serve's 4 MiB gRPC messages:
+    a 500 RESOURCE_EXHAUSTED)."""
+    prompt = "7" * 4_100_000  # a token per digit: 4.1 million token ids, 4.1 MB of body
+    error = check_error_body(post(http, COMPLETIONS, {"model": "tiny", "prompt": prompt}), 400,
+                             "prompt")  # fmt: skip
+    assert error["code"] == "context_length_exceeded" and "max_model_len is" in error["message"]
+
+
 def test_chat_prompt_too_long_names_messages(http: Any) -> None:
     r = post(http, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": LONG_TEXT}]})
     error = check_error_body(r, 400, "messages")
