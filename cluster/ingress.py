@@ -762,7 +762,17 @@ class Ingress:
     # -- other endpoints ----------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self) -> Response:
-        return JSONResponse(rs.models_response(self.served))
+        """The served model names, each with its lane's max_model_len (vLLM's extra
+        field; null until the lane's first replica has told it)."""
+        cards = [
+            rs.ModelCard(
+                id=name,
+                root=name,
+                max_model_len=self.lanes[self.model_to_lane[name]].max_model_len or None,
+            )
+            for name in self.served
+        ]
+        return JSONResponse(rs.models_response(cards))
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -47,6 +47,9 @@ def chat(client: Any, content: str, **kwargs: Any) -> Any:
 def test_models_health_version(openai_client: Any, http: Any, spur_server: Any) -> None:
     served = [m for lane in spur_server.config["lanes"] for m in lane["served_model_names"]]
     assert [m.id for m in openai_client.models.list().data] == served
+    limits = {m["id"]: m["max_model_len"] for m in http.get("/v1/models").json()["data"]}
+    for name, limit in limits.items():  # vLLM's field: the lane's, as /tokenize says
+        assert limit == tokenize(http, model=name, prompt="x")["max_model_len"] > 0, name
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/version").json()["version"]
 
