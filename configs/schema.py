@@ -613,8 +613,9 @@ class RouterConfig(_Section):
     kv_usage_weight: float = Field(8.0, ge=0, le=1_000_000)
     """Cost of a full KV pool (kv_usage 1.0), in KV blocks of matched prefix."""
     hot_spot_margin: float = Field(8.0, ge=0, le=1_000_000)
-    """When the best-scoring replica has this many more requests than the least loaded
-    one, take the least loaded instead, so one popular prefix cannot pin all traffic."""
+    """When the best-scoring replica (or a session's own) has more than this many
+    requests beyond the least loaded one, take the least loaded instead, so one
+    popular prefix cannot pin all traffic."""
     affinity_header: (
         Annotated[
             str,
