@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from spur.actors.engine.core.hashing import tenant_salt
-from spur.cluster.errors import ProtocolError, error_body
+from spur.cluster.errors import ERROR_CODE_HEADER, ProtocolError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -459,6 +459,8 @@ async def send_error(send: Send, exc: ProtocolError) -> None:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ] + [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+    if exc.code:  # for the metrics' counting middleware (it removes the header)
+        headers.append((ERROR_CODE_HEADER, exc.code.encode()))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from spur.actors.engine.core.scheduler import RequestRejected
     from spur.actors.step import SamplingParamsError
 
+
+ERROR_CODE_HEADER = b"x-spur-error-code"
+"""Set on an error answer (its OpenAI error code), by the ingress and the auth
+middleware, for the metrics' counting middleware, which removes it before the
+answer leaves."""
+
 _DEFAULT_TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",  # OpenAI: unknown model is invalid_request_error + code

@@ -42,6 +42,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from spur.actors.engine.shell.metrics import HISTOGRAMS
+from spur.cluster.errors import ERROR_CODE_HEADER
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -116,9 +117,6 @@ class IngressCounters:
 HTTP = IngressCounters()
 """This process's counters (an ingress replica's; empty elsewhere)."""
 
-ERROR_CODE_HEADER = b"x-spur-error-code"
-"""Set by the ingress on an error answer (its OpenAI error code) for the counting
-middleware, which removes it before the answer leaves."""
 
 ROUTES = frozenset(
     {

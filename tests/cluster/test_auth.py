@@ -187,6 +187,46 @@ def test_middleware_answers_401_before_the_route_and_passes_the_principal() -> N
         install_guard(None)
 
 
+def test_a_refused_key_is_counted_with_its_error_code() -> None:
+    """The counting middleware (outermost, as in the ingress) reads the answer's error
+    code from a header it removes: auth refusals carry theirs too (they were counted
+    with code "")."""
+    from spur.cluster import metrics as M
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def call(headers: list[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b""}
+
+        scope = {"type": "http", "path": "/v1/completions", "headers": headers}
+        await M.CountingMiddleware(AuthMiddleware(app))(scope, receive, send)
+        return sent
+
+    saved = M.HTTP
+    M.HTTP = M.IngressCounters()
+    install_guard(guard())
+    try:
+        sent = asyncio.run(call([]))
+        sent += asyncio.run(call([(b"authorization", b"Bearer sk-nobody-000000000")]))
+        errors = {k: n for k, n in M.HTTP.errors.items() if n}
+    finally:
+        install_guard(None)
+        M.HTTP = saved
+    assert errors == {
+        ("/v1/completions", "401", "missing_api_key"): 1,
+        ("/v1/completions", "401", "invalid_api_key"): 1,
+    }
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert all(M.ERROR_CODE_HEADER not in dict(m["headers"]) for m in starts)
+
+
 def test_tenant_salt_separates_tenants_and_keeps_one_tenant_together() -> None:
     hasher = BlockHasher(4)
     ids = list(range(32))
