@@ -354,6 +354,12 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     pool = GaugeMetricFamily(
         "spur:capacity_pool_tokens", "Tokens the KV pool holds.", labels=ENGINE_LABELS
     )
+    age = GaugeMetricFamily(
+        "spur:engine_stats_age_seconds",
+        "Seconds since the engine's statistics last reached the KV index (they come about "
+        "every second; a counter's rate over a window is exact from one report to another).",
+        labels=ENGINE_LABELS,
+    )
     cache_info: GaugeMetricFamily | None = None
     healthy = GaugeMetricFamily(
         "spur:replica_healthy",
@@ -369,6 +375,8 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         # happened); its gauges (running, waiting, KV usage, blocks held) do not: the
         # last report of a dead replica is not what it runs now.
         live = not health or (rid in health and bool(health[rid][1].get("healthy")))
+        if "age_s" in entry:
+            age.add_metric(labels, entry["age_s"])
         for name, value in snap.get("counters", {}).items():
             if name in counters:
                 counters[name].add_metric(labels, value)
@@ -412,7 +420,7 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     yield from gauges.values()
     yield success
     yield from hists.values()
-    yield from (held, geometry, ratio, worst, peak, claimed, pool, healthy)
+    yield from (held, geometry, ratio, worst, peak, claimed, pool, age, healthy)
     if cache_info is not None:
         yield cache_info
 

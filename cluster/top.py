@@ -3,9 +3,12 @@
 Reads `GET /metrics` (the whole cluster's view, from any ingress) and
 `GET /admin/lanes`, and draws with rich: per lane its target and why, per
 replica its health, running / waiting, a KV-usage bar, blocks held vs
-geometry, prefix hit rate and tokens/s (from two readings), and the failovers
-counted so far. `--once` prints one frame (two readings a second apart) and
-exits, for scripts.
+geometry, prefix hit rate and tokens/s (from two readings: the generated
+tokens between two of the engine's reports, over the time between those reports,
+`spur:engine_stats_age_seconds`; the readings' own times would alias with the
+engines' one-second reports), and the failovers counted so far. `--once` prints
+one frame (from the first reading to the one after every engine reported again)
+and exits, for scripts.
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ class Reading:
         for labels, value in self.series(name):
             out[labels.get("engine", "")] += value
         return out
+
+    def reported_at(self) -> dict[str, float]:
+        """Engine -> when its counters were reported (this reading's clock)."""
+        ages = self.by_engine("spur:engine_stats_age_seconds")
+        return {rid: self.at - age for rid, age in ages.items()}
+
+
+def report_gaps(now: Reading, before: Reading) -> dict[str, float]:
+    """Engine -> seconds between its reports seen by `before` and by `now`, for the
+    engines that reported in between (ages are rounded to the millisecond)."""
+    at, then = now.reported_at(), before.reported_at()
+    gaps = {rid: t - then[rid] for rid, t in at.items() if rid in then}
+    return {rid: gap for rid, gap in gaps.items() if gap > 0.05}
+
+
+def rates(now: Reading, before: Reading, name: str) -> dict[str, float]:
+    """Engine -> the per-second rate of counter `name` from its report seen by `before`
+    to the one seen by `now` (absent: no report in between)."""
+    value, earlier = now.by_engine(name), before.by_engine(name)
+    return {
+        rid: (value.get(rid, 0.0) - earlier.get(rid, 0.0)) / gap
+        for rid, gap in report_gaps(now, before).items()
+    }
 
 
 class TopError(Exception):
@@ -99,9 +125,7 @@ def frame(now: Reading, before: Reading | None = None) -> Any:
     geometry = now.by_engine("spur:kv_blocks_geometry")
     hits = now.by_engine("vllm:prefix_cache_hits_total")
     queries = now.by_engine("vllm:prefix_cache_queries_total")
-    generated = now.by_engine("vllm:generation_tokens_total")
-    earlier = before.by_engine("vllm:generation_tokens_total") if before else {}
-    dt = now.at - before.at if before else 0.0
+    per_s = rates(now, before, "vllm:generation_tokens_total") if before else {}
 
     replicas = Table(title="replicas", expand=True)
     for col in ("lane", "replica", "node", "health", "run", "wait", "KV usage", "held/geom",
@@ -110,7 +134,7 @@ def frame(now: Reading, before: Reading | None = None) -> Any:
     for name, lane in sorted(now.lanes.items()):
         for r in lane.get("replicas", ()):
             rid = r["replica_id"]
-            rate = (generated.get(rid, 0.0) - earlier.get(rid, 0.0)) / dt if dt > 0 else None
+            rate = per_s.get(rid)
             q = queries.get(rid, 0.0)
             replicas.add_row(
                 name,
@@ -147,9 +171,16 @@ def run(url: str, *, once: bool, interval_s: float = 2.0, admin_key: str | None 
 
     console = Console()
     before = read(url, admin_key)
-    if once:
-        time.sleep(1.0)
-        console.print(frame(read(url, admin_key), before))
+    if once:  # until every engine reported again (about a second), at most 5 s
+        deadline = time.monotonic() + 5.0
+        while True:
+            time.sleep(0.25)
+            now = read(url, admin_key)
+            if set(report_gaps(now, before)) >= set(before.reported_at()):
+                break
+            if time.monotonic() > deadline:
+                break
+        console.print(frame(now, before))
         return 0
     with Live(frame(before), console=console, refresh_per_second=4, screen=False) as live:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from spur.actors.engine.shell.metrics import EngineMetrics
@@ -128,3 +129,30 @@ def test_a_drained_replicas_last_snapshot_reaches_the_store() -> None:
     actor.record_drain({"replica_id": "r1", "lane": "chat", "finished": 3}, engine_snapshot(42))
     engines = actor.store.view()["engines"]
     assert engines["r1"]["snapshot"]["counters"]["vllm:prompt_tokens"] == 42
+
+
+def test_spur_top_rates_count_from_one_engine_report_to_another() -> None:
+    """Engines report about every second; `spur top` reads whenever it likes. Rates
+    over the readings' own times alias (a 0.9 s gap holding one second of tokens
+    reads 11% high; a gap with no report reads 0): they run from report to report,
+    which spur:engine_stats_age_seconds dates."""
+    from spur.cluster.top import Reading, rates
+
+    store = MetricsStore(retain_s=600, clock=Clock())
+    store.clock.now = 10.0  # the engine reports 100 tokens at t = 10.0
+    m = EngineMetrics(max_model_len=128)
+    m.generation_tokens = 100
+    store.update_engine("r1", "chat", m.snapshot())
+
+    def reading(at: float) -> Reading:
+        store.clock.now = at
+        got = samples(render({"store": store.view(), "lanes": {}}, CONFIG).decode())
+        return Reading(at, got)
+
+    first = reading(10.4)
+    assert rates(reading(10.9), first, "vllm:generation_tokens_total") == {}  # no new report
+    store.clock.now = 11.05  # 121 tokens at t = 11.05: 21 in 1.05 s
+    m.generation_tokens = 121
+    store.update_engine("r1", "chat", m.snapshot())
+    got = rates(reading(11.3), first, "vllm:generation_tokens_total")
+    assert got == {"r1": pytest.approx(20.0, abs=0.05)}
