@@ -96,7 +96,9 @@ def desired_replicas(
 
     Args:
         loads: the running replicas' loads (may be shorter than `current` while a new
-            replica has not reported yet; such a replica counts as idle).
+            replica has not reported yet; such a replica adds no demand and is left out
+            of the mean waiting and KV usage, so a starting replica does not dilute
+            the pressure that asked for it).
         current: replicas Serve runs now (>= 0).
         spare_demand: the lane's requests in flight on its spare (>= 0).
         targets: the lane's bounds and targets.
