@@ -310,6 +310,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def _warn_on_an_untied_head(model: nn.Module, where: dict[str, Any], path: Path) -> None:
+    """config.json ties the output head to the embeddings, yet the checkpoint stores a
+    different `lm_head.weight`: spur ties them (as vLLM does, skipping the stored head),
+    transformers 5 uses the stored head. Say so: the outputs differ."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if not getattr(model, "tie_word_embeddings", False) or head not in where:
+        return
+    if embed in where and torch.equal(where[head].get_tensor(head), where[embed].get_tensor(embed)):
+        return
+    logger.warning(
+        "%s: config.json sets tie_word_embeddings, but the checkpoint's %s differs from "
+        "%s; spur uses the embeddings as the output head (as vLLM does; transformers 5 "
+        "uses the stored head, so their tokens differ): set tie_word_embeddings to false "
+        "in config.json to use the stored head",
+        path,
+        head,
+        embed,
+    )
+
+
 def _checkpoint_files(path: Path) -> list[Path]:
     """The folder's weight files: those its index (`model.safetensors.index.json`)
     maps tensors to when it has one, as transformers and vLLM read a sharded
@@ -393,9 +413,11 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
         bar = stack.enter_context(
             tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", delay=2.0, leave=False)
         )
+        where: dict[str, Any] = {}  # checkpoint tensor name -> its file's handle
         for file, handle in zip(files, handles, strict=True):
             for ckpt_name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 bar.update(1)
+                where[ckpt_name] = handle
                 if skip(ckpt_name):
                     continue
                 param_name, shard_id = _target_of(rename(ckpt_name), mapping)
@@ -425,6 +447,8 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
                     loaded[param_name].update(getattr(param, "shard_ids", (None,)))
                 else:
                     loaded[param_name].add(shard_id)
+
+        _warn_on_an_untied_head(model, where, path)
 
     missing = [
         _checkpoint_name(name, sid, mapping)

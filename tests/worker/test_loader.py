@@ -143,6 +143,22 @@ def test_a_sharded_checkpoint_loads_the_files_its_index_names(tmp_path, tiny_mod
         load_model(path, dtype="float32", device="cpu")
 
 
+def test_a_tied_model_with_another_stored_head_says_so(tmp_path, tiny_model_dir, caplog):
+    """config.json ties the head, the checkpoint holds a different lm_head.weight:
+    spur ties (as vLLM), transformers 5 uses the stored head; the load says so."""
+    path = _copy(tiny_model_dir("llama_tied"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    for head, warned in ((embed.clone(), False), (embed + 1.0, True)):
+        save_file({**tensors, "lm_head.weight": head}, path / "model.safetensors",
+                  metadata={"format": "pt"})  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="spur.actors.worker.loader"):
+            model = load_model(path, dtype="float32", device="cpu").model
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert ("differs from model.embed_tokens.weight" in caplog.text) == warned
+
+
 def test_loaded_model_and_tied_weights(tiny_model_dir):
     loaded = load_model(tiny_model_dir("llama_tied"), dtype="auto", device="cpu")
     model = loaded.model
