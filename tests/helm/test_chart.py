@@ -462,7 +462,7 @@ def test_autoscaling_lane_gets_group_and_serve_bounds(render: Any) -> None:
 
 def test_storage_secrets_and_placement(render: Any) -> None:
     values = {
-        "modelStorage": {"type": "pvc", "claimName": "models"},
+        "modelStorage": {"type": "pvc", "claimName": "models", "mountPath": "/srv/models"},
         "groups": {
             "chat": {
                 "modelStorage": {"type": "hostPath", "hostPath": "/mnt/models"},
@@ -482,7 +482,7 @@ def test_storage_secrets_and_placement(render: Any) -> None:
         "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
     }
     mount = head["containers"][0]["volumeMounts"][1]
-    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert mount == {"name": "models", "mountPath": "/srv/models", "readOnly": True}
     keys = [e for e in head["containers"][0]["env"] if e["name"] == "SPUR_API_KEYS"]
     assert keys[0]["valueFrom"]["secretKeyRef"] == {"name": "spur-keys", "key": "keys"}
     chat = spec["workerGroupSpecs"][0]["template"]["spec"]
@@ -494,6 +494,8 @@ def test_storage_secrets_and_placement(render: Any) -> None:
     assert parse_config(args["config"]).server.auth.require_keys is True
     assert chat["volumes"][1]["hostPath"]["path"] == "/mnt/models"
     assert chat["containers"][0]["volumeMounts"][0]["mountPath"] == "/dev/shm"
+    # a group's modelStorage overrides what it names; the rest (mountPath) is the chart's
+    assert chat["containers"][0]["volumeMounts"][1] == mount
     assert chat["nodeSelector"] == {"pool": "h200"}
 
 
