@@ -738,3 +738,11 @@ def test_group_overrides_must_name_a_group_and_keep_a_zero(render: Any) -> None:
     docs = render({"spur": tree, "groups": {"chat": {"idleTimeoutSeconds": 0}}})
     (group,) = the(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert group["idleTimeoutSeconds"] == 0
+
+
+@pytest.mark.parametrize("port", [6379, 8265, 10001])
+def test_the_api_port_cannot_be_one_of_rays_in_the_head_pod(render: Any, port: int) -> None:
+    tree = {"lanes": [{"name": "chat"}], "server": {"port": port}}
+    with pytest.raises(Exception, match=f"spur.server.port {port} is one of Ray's ports"):
+        render({"spur": tree})
+    render({"spur": {**tree, "server": {"port": 8001}}})
