@@ -25,6 +25,29 @@ def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
     return error
 
 
+def raw_completion(server: KeyedServer, who: str, body: dict[str, Any], *headers: str) -> bytes:
+    """A POST /v1/completions as bytes, to send on a socket the test then closes."""
+    data = json.dumps(body).encode()
+    host = urlsplit(server.url).netloc
+    extra = "".join(f"{h}\r\n" for h in headers)
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {KEYS[who]}\r\nContent-Type: application/json\r\n"
+        f"{extra}Content-Length: {len(data)}\r\n\r\n"
+    ).encode() + data
+
+
+def engine_when(ops: httpx.Client, ready: Any, timeout: float = 60) -> dict[str, Any]:
+    """The tiny lane's engine stats (/admin/engines) once `ready(stats)` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = ops.get("/admin/engines").json()["tiny"]
+        if ready(stats):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
 def test_routes_need_a_key_of_the_right_role(keyed_server: KeyedServer) -> None:
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     with (
@@ -153,37 +176,21 @@ def test_a_client_gone_before_its_first_token_frees_its_lease_and_its_request(
     Starlette then cancels it before its body starts. The key's lease must come back and
     the engine must abort the request, not run it to max_tokens."""
     max_tokens = 2000
-    body = json.dumps(
-        {
-            "model": "tiny",
-            "prompt": "Count:",
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
+    body = {
+        "model": "tiny",
+        "prompt": "Count:",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    request = raw_completion(keyed_server, "solo", body, "x-request-disconnect-disabled: ?1")
     url = urlsplit(keyed_server.url)
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
-        f"Authorization: Bearer {KEYS['solo']}\r\nContent-Type: application/json\r\n"
-        f"x-request-disconnect-disabled: ?1\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
     with keyed_server.client("ops") as ops, keyed_server.client("solo") as solo:
-
-        def engine_when(ready: Any) -> dict[str, Any]:
-            deadline = time.monotonic() + 30
-            while True:
-                stats = ops.get("/admin/engines").json()["tiny"]
-                if ready(stats):
-                    return stats
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.1)
-
-        before = engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+        before = engine_when(ops, lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
         with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-            sock.sendall(head + body)
+            sock.sendall(request)
         # Nothing else runs on this server now: a step means the request was admitted.
-        engine_when(lambda st: st["num_steps"] > before["num_steps"])
+        engine_when(ops, lambda st: st["num_steps"] > before["num_steps"])
         deadline = time.monotonic() + 30
         while True:  # the lease comes back (it used to stay for lease_ttl_s, an hour)
             r = solo.post(
@@ -193,7 +200,7 @@ def test_a_client_gone_before_its_first_token_frees_its_lease_and_its_request(
                 break
             assert r.status_code == 429 and time.monotonic() < deadline, r.text
             time.sleep(0.2)
-        after = engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+        after = engine_when(ops, lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
     assert after["num_steps"] - before["num_steps"] < max_tokens, (before, after)
 
 
@@ -218,32 +225,16 @@ def test_a_non_streamed_request_left_by_its_client_is_billed_what_it_generated(
 ) -> None:
     """tokens_per_minute counts output too: a client that hangs up on a long
     non-streamed request must not get its tokens for free (quota: 400 a minute)."""
-    body = json.dumps(
-        {"model": "tiny", "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
-    ).encode()
+    body = {"model": "tiny", "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
+    request = raw_completion(keyed_server, "quota", body)
     url = urlsplit(keyed_server.url)
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
-        f"Authorization: Bearer {KEYS['quota']}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
     with keyed_server.client("ops") as ops, keyed_server.client("quota") as quota:
-
-        def engine_when(ready: Any) -> dict[str, Any]:
-            deadline = time.monotonic() + 60
-            while True:
-                stats = ops.get("/admin/engines").json()["tiny"]
-                if ready(stats):
-                    return stats
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.05)
-
-        before = engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+        before = engine_when(ops, lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
         with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-            sock.sendall(head + body)
+            sock.sendall(request)
             # alone on the server: one step, one token of this request
-            engine_when(lambda st: st["num_steps"] >= before["num_steps"] + 200)
-        engine_when(lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
+            engine_when(ops, lambda st: st["num_steps"] >= before["num_steps"] + 200)
+        engine_when(ops, lambda st: st["num_running"] == 0 and st["num_waiting"] == 0)
         # a few tokens of prompt plus about 200 generated, then 250 more: over 400
         r = quota.post(
             "/v1/completions",
