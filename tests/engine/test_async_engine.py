@@ -108,6 +108,88 @@ def test_a_failing_executor_fails_streams_loudly():
     asyncio.run(main())
 
 
+def test_nothing_waits_on_an_engine_thread_that_is_gone():
+    """After the thread dies: a command (the drain's integrity check, a snapshot) fails
+    at once; so does a request whose stream registers just after the thread failed the
+    open ones (forced here: validate() waits for the thread to die, as a GIL switch
+    between the caller's check and its registration would); a shut-down engine ends
+    its streams too. Each used to wait forever."""
+
+    async def dies() -> None:
+        core, _, fake = make_engine(block_size=4)
+
+        def boom(_out):
+            time.sleep(0.05)
+            raise RuntimeError("device lost")
+
+        fake.execute_model = boom
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        first = asyncio.ensure_future(collect(engine, "a", [1, 2, 3], max_tokens=4))
+        await asyncio.sleep(0.01)  # "a" is in its (failing) step
+        validate = engine.validate
+
+        def validate_then_wait(ids):
+            validate(ids)
+            engine._thread.join()
+
+        engine.validate = validate_then_wait
+        second = asyncio.ensure_future(collect(engine, "b", [4, 5, 6], max_tokens=4))
+        for task in (first, second):
+            with pytest.raises(EngineDeadError, match="device lost"):
+                await asyncio.wait_for(task, 5)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(engine.check_integrity(), 5)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(engine.snapshot(), 5)
+        assert engine.request_ids == [] and engine.processor.requests == {}
+
+    async def shut_down() -> None:
+        core, sched, fake = make_engine(block_size=4, num_blocks=64)
+        step = fake.execute_model
+
+        def slow(out):  # the request is still running when the engine stops
+            time.sleep(0.01)
+            return step(out)
+
+        fake.execute_model = slow
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        gen = engine.generate(
+            "long", list(range(8)), SamplingParams(max_tokens=200, ignore_eos=True)
+        )
+        await gen.__anext__()
+        await engine.shutdown()
+
+        async def rest() -> None:
+            async for _ in gen:  # the steps run before the stop, then the end
+                pass
+
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(rest(), 5)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(engine, "later", [1, 2], max_tokens=2), 5)
+        assert engine.processor.requests == {} and not sched.requests
+        sched.check_integrity()
+
+    asyncio.run(dies())
+    asyncio.run(shut_down())
+
+
+def test_stop_strings_without_a_tokenizer_fail_that_request_only():
+    async def main():
+        core, sched, _ = make_engine(block_size=4, num_blocks=64)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        bystander = asyncio.ensure_future(
+            collect(engine, "ok", list(range(8)), max_tokens=30, ignore_eos=True)
+        )
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            await collect(engine, "bad", [1, 2, 3], max_tokens=4, stop=["x"])
+        assert len((await bystander).outputs[0].token_ids) == 30 and engine.alive
+        await engine.shutdown()
+        sched.check_integrity()
+
+    asyncio.run(main())
+
+
 def test_a_slow_consumer_gets_coalesced_deltas_and_every_token():
     async def main():
         core, _, _ = make_engine(block_size=4, num_blocks=64, budget=24)

@@ -189,6 +189,8 @@ class AsyncEngine:
             )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.processor.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = self.metrics.clock() if self.metrics is not None else None
@@ -205,6 +207,9 @@ class AsyncEngine:
                 resumed_chars,
             )
         )
+        if self.error is not None:  # the thread ended meanwhile; it may not have seen this
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(self.dead_message)
         done = False
         pending: Delta | RequestOutput | Exception | None = None
         held: dict[int, Delta] = {}  # completion index -> tokens not sent yet (interval)
@@ -269,22 +274,29 @@ class AsyncEngine:
     async def check_integrity(self) -> dict[str, int]:
         """Run the scheduler's and the KV pool's `check_integrity()` on the engine thread
         (between steps). Returns {"num_requests", "num_free_blocks", "num_blocks"};
-        raises AssertionError (from the check) when the bookkeeping is broken."""
-        done: asyncio.Future[dict[str, int]] = self._loop.create_future()
-        self._inbox.put(_CheckIntegrity(done))
-        return await done
+        raises AssertionError (from the check) when the bookkeeping is broken, and
+        EngineDeadError when the engine thread is gone."""
+        return await self._ask(_CheckIntegrity)
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached block hash, on the engine thread (between steps)."""
-        done: asyncio.Future[None] = self._loop.create_future()
-        self._inbox.put(_ResetPrefixCache(done))
-        await done
+        await self._ask(_ResetPrefixCache)
 
     async def snapshot(self) -> tuple[int, list[bytes]]:
         """(seq, every cached hash of group 0) as of event batch `seq`, taken on the
         engine thread: the index replaces its view with it and applies later batches."""
-        done: asyncio.Future[tuple[int, list[bytes]]] = self._loop.create_future()
-        self._inbox.put(_Snapshot(done))
+        return await self._ask(_Snapshot)
+
+    async def _ask(self, command: Callable[[asyncio.Future[Any]], _Command]) -> Any:
+        """Queue `command` for the engine thread and await its answer; EngineDeadError
+        when the thread is gone (it fails what it finds queued when it ends, and a
+        command queued after that is failed here: see `_end`)."""
+        if self.error is not None:
+            raise EngineDeadError(self.dead_message)
+        done: asyncio.Future[Any] = self._loop.create_future()
+        self._inbox.put(command(done))
+        if self.error is not None and not done.done():  # the thread may have ended first
+            done.set_exception(EngineDeadError(self.dead_message))
         return await done
 
     def take_kv_batches(self) -> list[dict[str, Any]]:
@@ -311,6 +323,8 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     async def shutdown(self) -> None:
+        """Stop the engine thread: requests in flight are aborted and their streams end
+        with EngineDeadError, as do later calls."""
         self._stop.set()
         self._inbox.put(None)
         await asyncio.to_thread(self._thread.join, 30)
@@ -333,12 +347,12 @@ class AsyncEngine:
         if isinstance(cmd, _ResetPrefixCache):
             sched.kv.reset_prefix_cache()
             self._flush_kv_events()
-            self._loop.call_soon_threadsafe(cmd.done.set_result, None)
+            self._settle(cmd.done, None)
             return
         if isinstance(cmd, _Snapshot):
             self._flush_kv_events()
             hashes = list(sched.kv.pool.cached[0]) if sched.kv.pool.cached else []
-            self._loop.call_soon_threadsafe(cmd.done.set_result, (self._next_seq - 1, hashes))
+            self._settle(cmd.done, (self._next_seq - 1, hashes))
             return
         if isinstance(cmd, _CheckIntegrity):
             try:
@@ -349,9 +363,9 @@ class AsyncEngine:
                     "num_blocks": sched.kv.pool.num_blocks,
                 }
             except Exception as exc:  # reported to the caller, the engine goes on
-                self._loop.call_soon_threadsafe(cmd.done.set_exception, exc)
+                self._settle(cmd.done, error=exc)
             else:
-                self._loop.call_soon_threadsafe(cmd.done.set_result, report)
+                self._settle(cmd.done, report)
             return
         if isinstance(cmd, _Abort):
             if cmd.request_id in sched.requests or cmd.request_id in self.processor.requests:
@@ -362,7 +376,7 @@ class AsyncEngine:
                     self.metrics.refresh_gauges(sched)  # no step may follow to do it
             return
         params = with_eos(cmd.params, self.more_eos_token_ids)
-        try:
+        try:  # a request either side refuses fails alone, before the engine holds it
             request = sched.make_request(
                 cmd.request_id,
                 cmd.prompt_token_ids,
@@ -371,18 +385,22 @@ class AsyncEngine:
                 priority=cmd.priority,
                 cache_salt=cmd.cache_salt,
             )
-            sched.add_request(request)
+            self.processor.add_request(
+                cmd.request_id,
+                cmd.prompt,
+                cmd.prompt_token_ids,
+                params,
+                resumed=cmd.resumed,
+                resumed_chars=cmd.resumed_chars,
+            )
+            try:
+                sched.add_request(request)
+            except ValueError:
+                self.processor.abort(cmd.request_id)
+                raise
         except ValueError as exc:
             self._send(cmd.request_id, exc)
             return
-        self.processor.add_request(
-            cmd.request_id,
-            cmd.prompt,
-            cmd.prompt_token_ids,
-            params,
-            resumed=cmd.resumed,
-            resumed_chars=cmd.resumed_chars,
-        )
         if self.metrics is not None:
             self.metrics.on_add(
                 cmd.request_id, len(cmd.prompt_token_ids), n=cmd.params.n, arrival=cmd.arrival
@@ -409,11 +427,43 @@ class AsyncEngine:
         except Exception:  # the engine is unusable: fail every stream loudly
             self.error = traceback.format_exc()
             logger.error("engine thread failed:\n%s", self.error)
-            for rid in list(self._streams):
-                self._send(rid, EngineDeadError(self.dead_message))
         finally:
-            for rid in list(self.scheduler.requests):
-                self.scheduler.abort_requests(rid)
+            self._end()
+
+    def _end(self) -> None:
+        """The engine thread's last act (it failed or was stopped). `error` is set first,
+        so a caller that queued a command after this drained the inbox sees it and fails
+        the command itself (`generate`, `_ask`); then every queued command and every
+        open stream gets EngineDeadError, and the requests are aborted."""
+        if self.error is None:
+            self.error = "the engine was shut down"
+        dead = EngineDeadError(self.dead_message)
+        for cmd in self._drain():
+            if isinstance(cmd, _Add):
+                self._send(cmd.request_id, dead)
+            elif cmd is not None and not isinstance(cmd, _Abort):
+                self._settle(cmd.done, error=dead)
+        for rid in list(self._streams):
+            self._send(rid, dead)
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort_requests(rid)
+        self.processor.requests.clear()
+
+    def _settle(
+        self, done: asyncio.Future[Any], result: Any = None, *, error: Exception | None = None
+    ) -> None:
+        """Answer a caller's future from the engine thread (a caller that stopped
+        waiting has cancelled it: then nothing is set)."""
+
+        def settle() -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        self._loop.call_soon_threadsafe(settle)
 
     def _drain(self) -> list[_Command | None]:
         cmds: list[_Command | None] = []
