@@ -335,7 +335,9 @@ def _nucleus_threshold(
     """
     cum = sorted_probs.cumsum(dim=-1)  # [S, C], non-decreasing even when rounded
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # mass before i
-    num_kept = (before < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
+    # At least the top token, as vLLM keeps: a p > 0 that float32 rounds to 0 (1e-300)
+    # keeps nothing else, and would index -1.
+    num_kept = (before < p).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = sorted_probs.gather(1, num_kept - 1)  # [S, 1]
     return threshold, cum[:, -1] >= p.squeeze(1)
 

@@ -155,6 +155,16 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert _chi_square(counts[[1, 3]], torch.tensor([0.625, 0.375])) < 10.83
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token() -> None:
+    """The API takes any top_p in (0, 1]; 1e-300 is 0 in float32, so no token held
+    less than p before it: the sampler indexed -1 and the engine died (every request
+    in flight with it). vLLM keeps at least one token; so does spur."""
+    probs = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05])
+    for top_p in (1e-300, 1e-45, 1e-9):
+        counts = _draw_counts(probs.log(), SamplingParams(temperature=1.0, top_p=top_p), 50)
+        assert set(torch.nonzero(counts).flatten().tolist()) == {1}, top_p
+
+
 def test_top_p_candidate_shortcut_matches_a_full_sort() -> None:
     # Peaked rows have their nucleus among the first 256 candidates; flat rows do not
     # and take the full-sort fallback. Both must keep exactly the sorted-prefix set.
