@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -53,7 +54,22 @@ if TYPE_CHECKING:
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = StrictBool
-Str = StrictStr
+
+
+def _utf8(text: str) -> str:
+    """JSON's escapes can spell a lone UTF-16 surrogate ("\\ud800"), which is no
+    character: refused here (400 naming the field), not by the tokenizer (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate ({text[exc.start]!r} at {exc.start}), which is not text: "
+            "send valid Unicode (a surrogate pair or the character itself)"
+        ) from None
+    return text
+
+
+Str = Annotated[StrictStr, AfterValidator(_utf8)]
 
 MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's bound on `logprobs` of /v1/completions."""

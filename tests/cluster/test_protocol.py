@@ -789,3 +789,27 @@ def test_chat_template_options_of_vllm() -> None:
             rq.ChatCompletionRequest, chat_body(chat_template_kwargs={"tokenize": True})
         )
     assert info.value.status == 400 and "chat_template_kwargs" in (info.value.param or "")
+
+
+@pytest.mark.parametrize(
+    ("cls", "body", "param"),
+    [
+        (rq.CompletionRequest, '{"prompt": "Hi \\ud800"}', "prompt"),
+        (rq.CompletionRequest, '{"prompt": "ok", "stop": ["\\udc00"]}', "stop[0]"),
+        (
+            rq.ChatCompletionRequest,
+            '{"messages": [{"role": "user", "content": "a\\udc00"}]}',
+            "messages[0].content",
+        ),
+        (rq.TokenizeRequest, '{"prompt": "x\\ud800"}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(cls: Any, body: str, param: str) -> None:
+    """Valid JSON can spell a lone UTF-16 surrogate, which no tokenizer takes (it
+    raised TypeError: a 500); a surrogate pair is one character and passes."""
+    with pytest.raises(ProtocolError) as info:
+        rq.parse_request(cls, body)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert "lone surrogate" in info.value.message
+    ok = rq.parse_request(rq.CompletionRequest, '{"prompt": "smile \\ud83d\\ude00"}')
+    assert ok.prompt == "smile \U0001f600"
