@@ -601,9 +601,23 @@ class Ingress:
             default_max_tokens=max(1, lane.max_model_len - longest),
             defaults=lane.sampling_defaults,
         )
+        each = None
+        if req.max_tokens is None:  # null: each prompt's own room (vLLM, per engine prompt)
+            each = [
+                lane.sampling_defaults.max_tokens(None, max(1, lane.max_model_len - len(p)))
+                for p in prompts
+            ]
         session = self._session(request, model)
         return await self._serve(
-            req, model, lane, prompts, params, chat=False, session=session, request=request
+            req,
+            model,
+            lane,
+            prompts,
+            params,
+            chat=False,
+            session=session,
+            request=request,
+            max_tokens_each=each,
         )
 
     async def _chat(self, request: Request) -> Response:
@@ -632,7 +646,10 @@ class Ingress:
         chat: bool,
         session: str | None = None,
         request: Request | None = None,
+        max_tokens_each: list[int] | None = None,
     ) -> Response:
+        """Run `prompts` with `params` (`max_tokens_each`: prompt i's own max_tokens)
+        and answer the request, streamed or not."""
         self._ensure_monitor()
         rid = rs.make_id("chatcmpl" if chat else "cmpl")
         created = rs.now()
@@ -646,7 +663,9 @@ class Ingress:
             {
                 "request_id": f"{rid}-{i}",
                 "prompt_token_ids": ids,
-                "sampling_params": sp,
+                "sampling_params": sp
+                if max_tokens_each is None
+                else {**sp, "max_tokens": max_tokens_each[i]},
                 "priority": int(params.extra.get("priority", 0) or 0),
                 "cache_salt": salt,
                 "session": session,

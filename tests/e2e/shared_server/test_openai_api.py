@@ -311,6 +311,19 @@ def test_multi_prompt_completion(openai_client: Any, spur_server: Any) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50, r.text
 
 
+def test_null_max_tokens_is_each_prompts_own_room(http: Any) -> None:
+    """vLLM: max_tokens null runs each prompt up to max_model_len (per engine prompt);
+    it used to give every prompt the room the longest one leaves."""
+    limit = tokenize(http, prompt="x")["max_model_len"]
+    prompts = [[100 + i % 50 for i in range(limit - 40)], [100 + i % 50 for i in range(limit - 8)]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": None, **IGNORE_EOS}
+    r = http.post("/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
+    assert r.json()["usage"]["completion_tokens"] == 40 + 8
+
+
 def test_request_bounds(http: Any) -> None:
     """server.requests: more prompts than max_prompts is a 400; a body beyond
     max_body_bytes a 413; both with OpenAI's error body."""
