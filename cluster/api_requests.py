@@ -508,7 +508,7 @@ class ChatCompletionRequest(_Request):
     def _check_chat(self) -> ChatCompletionRequest:
         if not self.messages:
             raise FieldError(("messages",), "must hold at least one message")
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:  # 0 too, as vLLM
             raise FieldError(("top_logprobs",), "needs logprobs=true: set it or remove this")
         _check_chat_options(self.messages, self.add_generation_prompt, self.continue_final_message)
         return self

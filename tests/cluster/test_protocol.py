@@ -813,3 +813,16 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(cls: Any, body: str, param: 
     assert "lone surrogate" in info.value.message
     ok = rq.parse_request(rq.CompletionRequest, '{"prompt": "smile \\ud83d\\ude00"}')
     assert ok.prompt == "smile \U0001f600"
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_top_logprobs_needs_logprobs_even_at_zero(top: int) -> None:
+    """vLLM's check: top_logprobs set (0 included) without logprobs=true is a 400."""
+    with pytest.raises(ProtocolError) as info:
+        rq.parse_request(rq.ChatCompletionRequest, chat_body(top_logprobs=top))
+    assert (info.value.status, info.value.param) == (400, "top_logprobs")
+    body = chat_body(top_logprobs=top, logprobs=True)
+    assert rq.parse_request(rq.ChatCompletionRequest, body).top_logprobs == top
+    assert (
+        rq.parse_request(rq.ChatCompletionRequest, chat_body(top_logprobs=None)).logprobs is False
+    )
