@@ -232,7 +232,8 @@ class ModelConfig(_Section):
     the model's creator recommends; "vllm": ignore the file (temperature 1, no top-p,
     top-k or min-p, no penalty). A request's own values win (but for the cap of
     override_generation_config's max_new_tokens). The engine warns at start when there
-    are any, naming them."""
+    are any, naming them. Under "auto" every EOS id the file lists (else config.json's)
+    also ends requests that do not set ignore_eos."""
     override_generation_config: dict[GenerationKey, StrictInt | StrictFloat | None] = Field(
         default_factory=dict
     )
