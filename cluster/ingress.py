@@ -36,7 +36,7 @@ from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token
 from spur.actors.engine.shell.detokenizer import token_bytes
 from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.generation_config import SamplingDefaults
-from spur.actors.step import Logprobs
+from spur.actors.step import Logprobs, SamplingParams
 from spur.cluster import api_requests as rq
 from spur.cluster import api_responses as rs
 from spur.cluster import metrics as M
@@ -115,13 +115,13 @@ def _load_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _params_dict(params: Any) -> dict[str, Any]:
-    fields = (
-        "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop",
-        "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
-    )  # fmt: skip
-    return {f: getattr(params, f) for f in fields}
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    """What the engine rebuilds SamplingParams from: every field but `extra` (the
+    ingress's own: priority, cache_salt, ...), so none can be left behind (a list of
+    names used to drop include_stop_str_in_output)."""
+    return {
+        f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "extra"
+    }
 
 
 def _delta(item: dict[str, Any]) -> Delta:

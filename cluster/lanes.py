@@ -89,8 +89,9 @@ class LaneSelector:
             if not ok:
                 st.usable_since = None
                 if not st.on_spare:
-                    st.on_spare, st.reason = True, reason
+                    st.on_spare = True
                     switched.append((lane, reason))
+                st.reason = reason  # why it is on the spare now: saturated, then down
                 continue
             if st.on_spare:
                 st.usable_since = now if st.usable_since is None else st.usable_since

@@ -42,6 +42,15 @@ def test_saturated_only_when_every_healthy_replica_is():
     assert s.target("chat") == "sp"
 
 
+def test_a_saturated_lane_whose_primaries_die_says_down(t):
+    """The reason is what holds now, not what moved the lane: requests waiting on a
+    lane whose primaries are gone are released at once only when it says "down"."""
+    s = selector(t)
+    assert s.update({"chat": LaneView(2, (5, 9))}) == [("chat", "saturated")]
+    assert s.update({"chat": DOWN}) == []  # no second switch
+    assert s.report("chat")["reason"] == "down" and s.report("chat")["switches"] == 1
+
+
 def test_comes_back_after_healthy_after_s(t):
     s = selector(t)
     s.update({"chat": DOWN})

@@ -29,7 +29,8 @@ def tokenize(http: Any, **body: Any) -> dict[str, Any]:
 def complete(client: Any, prompt: str, **kwargs: Any) -> Any:
     kwargs.setdefault("max_tokens", 12)
     kwargs.setdefault("temperature", 0)
-    return client.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **kwargs)
+    extra_body = {**IGNORE_EOS, **kwargs.pop("extra_body", {})}
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body=extra_body, **kwargs)
 
 
 def chat(client: Any, content: str, **kwargs: Any) -> Any:
@@ -142,6 +143,15 @@ def test_stop_string_ends_the_text_before_it(openai_client: Any, stream: bool) -
         assert (choice.model_extra or {}).get("stop_reason") == stop
     assert text == expected and stop not in text
     assert finish == "stop"
+    # vLLM's include_stop_str_in_output reaches the engine: the text ends with the stop
+    kept = complete(
+        openai_client,
+        prompt,
+        max_tokens=24,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    ).choices[0]
+    assert kept.text == expected + stop and kept.finish_reason == "stop"
 
 
 def test_seed_reproducible_and_seeds_differ(openai_client: Any) -> None:
