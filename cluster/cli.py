@@ -351,7 +351,13 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
     if args.dashboards_command == "export":
         from spur.cluster.dashboards import export
 
-        for path in export(Path(args.dir)):
+        try:
+            paths = export(Path(args.dir))
+        except OSError as e:
+            raise UsageError(
+                f"cannot write the dashboards to {args.dir}: {e.strerror or e}"
+            ) from None
+        for path in paths:
             print(path)
         return 0
     if args.dashboards_command == "push":
@@ -430,11 +436,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _load(args.config)
     overrides: dict[str, Any] = {}
-    if args.address:
+    if args.address is not None:  # "" too: the schema names what is wrong with it
         overrides["server.ray_address"] = args.address
-    if args.host:
+    if args.host is not None:
         overrides["server.host"] = args.host
-    if args.port:
+    if args.port is not None:
         overrides["server.port"] = args.port
     try:
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
@@ -522,12 +528,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     from spur.actors.llm import LLM
+    from spur.actors.worker.executors import WorkerError
     from spur.actors.worker.loader import ModelLoadError
 
     try:
         llm = LLM(**_generate_engine_args(args))
     except (ModelLoadError, ValueError) as e:
         raise UsageError(str(e)) from None
+    except WorkerError as e:  # tensor_parallel_size > 1: the first rank's own words
+        raise UsageError(e.reason) from None
     try:
         prompt = (
             llm.chat_prompt([{"role": "user", "content": args.prompt}])
@@ -629,14 +638,17 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     result: dict[str, Any] = report.to_dict()
     if args.simulate_prompt:
         groups, _ = cap.build_groups(geometry)
-        sim = cap.simulate_request(
-            groups,
-            block_size=args.block_size,
-            num_blocks=report.num_blocks,
-            prompt_tokens=args.simulate_prompt,
-            chunk=args.chunk or chunk,
-            decode_tokens=args.decode,
-        )
+        try:
+            sim = cap.simulate_request(
+                groups,
+                block_size=args.block_size,
+                num_blocks=report.num_blocks,
+                prompt_tokens=args.simulate_prompt,
+                chunk=args.chunk or chunk,
+                decode_tokens=args.decode,
+            )
+        except ValueError as e:  # a pool that cannot hold the prompt
+            raise UsageError(str(e)) from None
         result["simulation"] = sim.to_dict()
         result["peak_blocks_held"] = sim.peak_blocks_held
         result["geometry_blocks"] = sim.geometry_blocks

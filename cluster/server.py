@@ -43,6 +43,10 @@ def start(cfg: SpurConfig, on_ray_started: Callable[[], Any] | None = None) -> s
             if server.data_plane == "grpc":
                 os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")  # the HTTP proxy's hop
             ray.init(
+                # "local": a Ray of its own, as configured. Without an address, ray.init
+                # joins RAY_ADDRESS or a cluster `ray start` left on this machine, which
+                # spur would then shut down with its own Ray.
+                address="local",
                 namespace=server.namespace,
                 num_cpus=server.num_cpus,
                 object_store_memory=server.object_store_memory,

@@ -140,3 +140,23 @@ def test_an_ipv6_host_gives_a_bracketed_url():
     assert cfg.server.url == "http://[::1]:8123"
     wildcard = parse_config({"lanes": [{"name": "chat"}], "server": {"host": "::"}})
     assert wildcard.server.url == "http://127.0.0.1:8000"
+
+
+def test_a_third_review_of_misuse_gets_clear_errors(tmp_path):
+    """Each of these used to end in a traceback (or, for an empty --host, be ignored)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    res = run("capacity", "--model", str(cfg), "--num-blocks", "8", "--simulate-prompt", "200")
+    assert res.returncode == 2 and "usable blocks" in res.stderr, res.stderr
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    res = run("dashboards", "export", str(a_file))
+    assert res.returncode == 2 and "cannot write the dashboards" in res.stderr, res.stderr
+    res = run("serve", "--host", "")
+    assert res.returncode == 2 and "server.host" in res.stderr, res.stderr
+    missing = str(tmp_path / "no-model")
+    for tp in ("1", "2"):  # two ranks: the first rank's error, not the executor's traceback
+        res = run("generate", "--model", missing, "--tensor-parallel-size", tp, "--prompt", "hi")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "does not exist" in res.stderr and res.stderr.count("\n") <= 3, res.stderr
+    assert "Traceback" not in res.stderr

@@ -23,7 +23,19 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
-    """A worker raised; the message carries its rank and traceback."""
+    """A worker raised; the message carries each failing rank and its traceback,
+    `reason` the first one's error in one line (what a user acts on: the model
+    path, the device)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last line without its exception type: the error's own words."""
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1].split(": ", 1)[-1].strip() if lines else str(text)
 
 
 class UniProcExecutor(Executor):
@@ -118,6 +130,7 @@ class MultiprocExecutor(Executor):
             conn.send((method, args, kwargs or {}))
         results: list[Any] = [None] * len(self.conns)
         errors: list[str] = []
+        reasons: list[str] = []
         pending = dict(enumerate(self.conns))
         while pending:
             timeout = self.failure_grace_s if errors else None
@@ -128,8 +141,7 @@ class MultiprocExecutor(Executor):
                     f"rank {ranks}: no answer {self.failure_grace_s:g} s after "
                     "the failure (waiting for the failed rank); stopped"
                 )
-                first = errors[0].rstrip().splitlines()
-                self.broken = first[0].split(":")[0] + ": " + first[-1].split(": ", 1)[-1]
+                self.broken = errors[0].split(":", 1)[0] + ": " + reasons[0]
                 self._kill()
                 break
             for rank, conn in list(pending.items()):
@@ -143,9 +155,13 @@ class MultiprocExecutor(Executor):
                     status, value = "err", f"the worker process died (exit code {code})"
                 if status == "err":
                     errors.append(f"rank {rank}: {value}")
+                    reasons.append(_last_line(value))
                 results[rank] = value
         if errors:
-            raise WorkerError(f"{method} failed on workers:\n" + "\n".join(errors))
+            raise WorkerError(
+                f"{method} failed on workers:\n" + "\n".join(errors),
+                reasons[0] if reasons else "",
+            )
         return results
 
     def _kill(self) -> None:

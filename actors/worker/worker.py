@@ -130,6 +130,11 @@ class Worker:
         if device.type == "cpu":
             keep_step_buffers_on_the_heap()
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"engine.parallelism.device is {cfg.device!r} but this machine has no "
+                    "CUDA device torch can use: set it to cpu (or auto)"
+                )
             torch.cuda.set_device(self.rank if device.index is None else device.index)
         if cfg.tensor_parallel_size > 1 and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"

@@ -233,3 +233,9 @@ def test_logprobs_are_the_models_top_n(tiny_model_dir, hf_logits):
         assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
         assert lp.top[0][0] == tok  # greedy picks the top token
         assert lp.sampled == pytest.approx(row[tok].item(), abs=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
+def test_device_cuda_without_cuda_names_the_setting(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"engine.parallelism.device is 'cuda' but this machine"):
+        LLM(str(tiny_model_dir("llama")), device="cuda", num_kv_blocks=32, block_size=4)
