@@ -171,6 +171,8 @@ class NewRequestData:
     # Tokens whose KV is already in the cache (prefix hit); compute from here.
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # A failover continuation: the prompt's last ids that are another replica's output.
+    num_resumed: int = 0
 
 
 @dataclass

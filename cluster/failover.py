@@ -13,11 +13,14 @@ error item that says what happened.
   token budget, so the client sees one unbroken stream. With n > 1 (several
   completions interleaved) the stream ends with an explicit error item instead.
 
-Continuation is exact for greedy decoding; with sampling it is a valid
-continuation, not the one the dead replica would have produced (its random
-state is lost). The continuation says how many of its prompt ids are output
-(`resumed`), so the new replica's text picks up where the old one's stopped: what
-that one held back still arrives, and a stop string across the break matches.
+The continuation says how many of its prompt ids are output (`resumed`) and how many
+characters of their text the client received (`resumed_chars`): the new replica's
+text picks up there (what the old one held back still arrives, a stop string across
+the break matches), the resumed ids count for presence / frequency penalties, and a
+seeded request's generator is advanced past their draws. So greedy and seeded
+requests continue as the unbroken request would have, up to the floating-point
+differences of recomputing the prompt (and but for the verify draws of speculative
+decoding); an unseeded request continues with a valid, not the same, sample.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ class RequestState:
     eos_token_id: int | None
     group_block_ids: list[list[int]] | None = None
     """Every group's table (hybrid models; [0] is `block_ids` itself), else None."""
+    num_resumed: int = 0
+    """The prompt's last ids that are another replica's output (a failover continuation)."""
 
 
 @dataclass
@@ -88,6 +90,7 @@ class RequestStates:
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
                 group_block_ids=tables if len(tables) > 1 else None,
+                num_resumed=new.num_resumed,
             )
             added.append(new.req_id)
         cached = out.scheduled_cached_reqs

@@ -182,6 +182,7 @@ class ModelRunner:
                     req.token_ids[: req.num_prompt_tokens],
                     req.eos_token_id,
                     output_token_ids=req.token_ids[req.num_prompt_tokens :],
+                    resumed=req.num_resumed,
                 )
         self.copy_blocks(out.blocks_to_copy)
         if out.total_num_scheduled_tokens == 0:

@@ -209,13 +209,20 @@ class SamplerState:
         prompt_token_ids: Sequence[int],
         eos_token_id: int | None,
         output_token_ids: Sequence[int] = (),
+        resumed: int = 0,
     ) -> None:
         """Start tracking a request.
 
         `output_token_ids` are tokens it already generated (a request resumed after its
-        state was dropped); they count for penalties and min_tokens. Stop ids at or
-        above vocab_size can never be sampled and are ignored. Raises ValueError if
-        `req_id` is already tracked or a prompt/output token id is outside the vocab.
+        state was dropped); they count for penalties and min_tokens. `resumed`: the
+        prompt's last ids are output another replica generated (a failover
+        continuation, whose params already count them for min_tokens and max_tokens):
+        they count for presence / frequency penalties, and a seeded generator is
+        advanced past the draws they took (one [vocab] draw per token, as `race` makes;
+        with speculative decoding on the other replica, its verify draws are not
+        replayed). Stop ids at or above vocab_size can never be sampled and are ignored.
+        Raises ValueError if `req_id` is already tracked or a prompt/output token id is
+        outside the vocab.
         """
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already in the sampler state")
@@ -237,9 +244,14 @@ class SamplerState:
         if not greedy and params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+            for _ in range(resumed):  # the other replica's draws, one per token
+                torch.rand(self.vocab_size, generator=generator, device=self.device)
         slot = None
         if has_penalty:
-            slot = self._init_penalty_slot(prompt_token_ids, output_token_ids)
+            history = list(output_token_ids)
+            if resumed:
+                history += list(prompt_token_ids[len(prompt_token_ids) - resumed :])
+            slot = self._init_penalty_slot(prompt_token_ids, history)
         req = _Request(
             params=params,
             greedy=greedy,

@@ -239,3 +239,59 @@ def test_logprobs_are_the_models_top_n(tiny_model_dir, hf_logits):
 def test_device_cuda_without_cuda_names_the_setting(tiny_model_dir):
     with pytest.raises(ValueError, match=r"engine.parallelism.device is 'cuda' but this machine"):
         LLM(str(tiny_model_dir("llama")), device="cuda", num_kv_blocks=32, block_size=4)
+
+
+def test_a_failover_continuation_samples_as_the_unbroken_request(tiny_model_dir):
+    """A continuation (the dead replica's output as the prompt's last `resumed` ids)
+    counts those ids for presence / frequency penalties and replays a seeded
+    request's draws: its tokens are the unbroken request's (with penalties even
+    greedy output used to change at the break)."""
+    import asyncio
+    import dataclasses
+
+    from spur.actors.engine.core.outputs import RequestOutput
+    from spur.actors.engine.shell.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=96, block_size=4)
+    prompt = make_prompts(1, seed=3)[0]
+    cases = [
+        SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            seed=11,
+            presence_penalty=0.5,
+            ignore_eos=True,
+        ),
+    ]
+
+    async def run() -> list[tuple[list[int], list[int], int]]:
+        engine = AsyncEngine(llm.engine, None, eos_token_id=None)
+
+        async def tokens(rid: str, ids: list[int], params: SamplingParams, resumed: int = 0):
+            final = None
+            async for item in engine.generate(rid, ids, params, resumed=resumed):
+                final = item if isinstance(item, RequestOutput) else final
+            assert final is not None
+            return list(final.outputs[0].token_ids)
+
+        got = []
+        try:
+            for i, params in enumerate(cases):
+                full = await tokens(f"full{i}", prompt, params)
+                for k in (1, 5):
+                    rest = dataclasses.replace(params, max_tokens=params.max_tokens - k)
+                    cont = await tokens(f"cont{i}-{k}", prompt + full[:k], rest, resumed=k)
+                    got.append((full, full[:k] + cont, i))
+        finally:
+            await engine.shutdown()
+        return got
+
+    try:
+        for full, stitched, i in asyncio.run(run()):
+            assert stitched == full, cases[i]
+    finally:
+        llm.shutdown()

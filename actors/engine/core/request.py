@@ -71,6 +71,7 @@ class Request:
         "num_draft_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_resumed",
         "parent_id",
         "priority",
         "request_id",
@@ -95,6 +96,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         parent_id: str | None = None,
         index: int = 0,
+        num_resumed: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; send at least 1 token")
@@ -109,6 +111,11 @@ class Request:
         self.parent_id = parent_id
         """For a fork of a request with n > 1: the id of the original request."""
         self.index = index
+        self.num_resumed = num_resumed
+        """A failover continuation: the prompt's last `num_resumed` ids are output another
+        replica generated. The worker counts them for presence / frequency penalties and
+        advances a seeded request's generator past their draws, so the continuation
+        samples as the unbroken request would have."""
         """Which of the n completions this is (0 for the original)."""
 
         self.all_token_ids: list[int] = list(prompt_token_ids)

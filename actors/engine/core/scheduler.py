@@ -452,6 +452,7 @@ class Scheduler:
                         block_ids=kv.block_ids(rid),
                         num_computed_tokens=req.num_computed_tokens,
                         eos_token_id=req.eos_token_id,
+                        num_resumed=req.num_resumed,
                     )
                 )
             else:

@@ -384,6 +384,7 @@ class AsyncEngine:
                 eos_token_id=self.eos_token_id,
                 priority=cmd.priority,
                 cache_salt=cmd.cache_salt,
+                num_resumed=cmd.resumed,
             )
             self.processor.add_request(
                 cmd.request_id,
