@@ -97,12 +97,19 @@ def parse_size(value: Any) -> Any:
     Binary units (KiB, MiB, GiB, TiB; also Ki, Mi, Gi, Ti as in Kubernetes) are
     powers of 1024; decimal ones (KB, MB, GB, TB; also K, M, G, T) powers of 1000.
     Case does not matter. A fractional result is rounded down to whole bytes.
-    Values that are neither int nor str pass through for pydantic to reject.
+    Values that are neither int nor str pass through for pydantic to reject, but for
+    booleans (an int to pydantic: `true` would be 1 byte).
 
     Raises:
-        ValueError: a string that is not a size (the message lists the units).
+        ValueError: a boolean, or a string that is not a size (the message lists the
+            units).
     """
-    if isinstance(value, bool) or not isinstance(value, str):
+    if isinstance(value, bool):
+        raise ValueError(
+            f"{str(value).lower()} is not a size: give bytes or a number with a unit, "
+            "for example 2GiB"
+        )
+    if not isinstance(value, str):
         return value
     match = _SIZE_RE.match(value.replace("_", ""))
     unit = match.group(2).lower() if match else ""

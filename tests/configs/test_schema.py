@@ -298,7 +298,7 @@ def test_size_strings_parse(text, expected):
         assert cfg.lanes[0].engine.cache.kv_cache_bytes == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "2 gigs", "1.2.3MB", "-1GiB"])
+@pytest.mark.parametrize("text", ["", "GiB", "2 gigs", "1.2.3MB", "-1GiB", True, False])
 def test_bad_size_strings_name_the_units(text):
     with pytest.raises(ValueError, match="is not a size: give bytes or a number with a unit"):
         parse_size(text)
