@@ -42,6 +42,7 @@ from spur.cluster import api_responses as rs
 from spur.cluster import metrics as M
 from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard, request_salt
 from spur.cluster.errors import (
+    ERROR_CODE_HEADER,
     ProtocolError,
     bad_request,
     body_too_large,
@@ -217,7 +218,7 @@ def _as_protocol_error(exc: BaseException) -> ProtocolError:
 def _error_response(exc: ProtocolError) -> Response:
     headers = dict(exc.headers or {})
     if exc.code:  # read (and removed) by the metrics middleware
-        headers[M.ERROR_CODE_HEADER.decode()] = exc.code
+        headers[ERROR_CODE_HEADER.decode()] = exc.code
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers or None)
 
 

@@ -14,6 +14,13 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*SPUR, *args], capture_output=True, text=True, timeout=300)
 
 
+def usage_error(needle: str, *args: str) -> None:
+    """`spur ARGS` ends with exit 2 and `needle` on stderr, not a traceback."""
+    res = run(*args)
+    assert res.returncode == 2 and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_bench_core_prints_json_with_every_figure():
     res = run("bench", "core", "--requests", "128", "--json")
     assert res.returncode == 0, res.stderr
@@ -106,12 +113,10 @@ def test_more_misuse_is_a_clear_error_not_a_traceback(tmp_path):
     assert res.returncode == 2 and "must be >= 1" in res.stderr
     broken = tmp_path / "geometry.yaml"
     broken.write_text("layers: [\n")
-    res = run("capacity", "--model", str(broken))
-    assert res.returncode == 2 and "not valid YAML at line" in res.stderr, res.stderr
+    usage_error("not valid YAML at line", "capacity", "--model", str(broken))
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
-    res = run("capacity", "--model", str(listed))
-    assert res.returncode == 2 and "not a model config object" in res.stderr, res.stderr
+    usage_error("not a model config object", "capacity", "--model", str(listed))
     res = run("top", "--interval", "-1")
     assert res.returncode == 2 and "must be > 0" in res.stderr
     # a flag's value that is a command's name is not the command given twice
@@ -146,17 +151,16 @@ def test_a_third_review_of_misuse_gets_clear_errors(tmp_path):
     """Each of these used to end in a traceback (or, for an empty --host, be ignored)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY_LLAMA))
-    res = run("capacity", "--model", str(cfg), "--num-blocks", "8", "--simulate-prompt", "200")
-    assert res.returncode == 2 and "usable blocks" in res.stderr, res.stderr
+    usage_error(
+        "usable blocks", "capacity", "--model", str(cfg), "--num-blocks", "8",
+        "--simulate-prompt", "200",
+    )  # fmt: skip
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    res = run("dashboards", "export", str(a_file))
-    assert res.returncode == 2 and "cannot write the dashboards" in res.stderr, res.stderr
-    res = run("serve", "--host", "")
-    assert res.returncode == 2 and "server.host" in res.stderr, res.stderr
+    usage_error("cannot write the dashboards", "dashboards", "export", str(a_file))
+    usage_error("server.host", "serve", "--host", "")
     missing = str(tmp_path / "no-model")
     for tp in ("1", "2"):  # two ranks: the first rank's error, not the executor's traceback
         res = run("generate", "--model", missing, "--tensor-parallel-size", tp, "--prompt", "hi")
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert "does not exist" in res.stderr and res.stderr.count("\n") <= 3, res.stderr
-    assert "Traceback" not in res.stderr

@@ -189,8 +189,6 @@ class AsyncEngine:
             )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.stop and self.processor.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = self.metrics.clock() if self.metrics is not None else None
