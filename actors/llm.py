@@ -18,7 +18,7 @@ from spur.actors.engine.core.request import RequestStatus
 from spur.actors.engine.core.scheduler import check_token_ids
 from spur.actors.engine.shell.chat_template import chat_token_ids
 from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
-from spur.actors.generation_config import with_eos
+from spur.actors.generation_config import with_eos, with_tokenizer_eos
 from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class LLM:
         self.executor = built.executor
         self.info = built.info
         self.sampling_defaults = built.sampling_defaults
-        self.more_eos_token_ids = built.more_eos_token_ids
+        self._more_eos = built.more_eos_token_ids
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self.last_run_stats: dict[str, Any] = {}
@@ -68,6 +68,12 @@ class LLM:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.args.tokenizer_dir(self.info.model_dir)) or False
         return self._tokenizer or None
+
+    @property
+    def more_eos_token_ids(self) -> tuple[int, ...]:
+        """The EOS ids besides `info.eos_token_id` that end every request without
+        ignore_eos: the model's generation config's and the tokenizer's (`with_tokenizer_eos`)."""
+        return with_tokenizer_eos(self._more_eos, self.info.eos_token_id, self.tokenizer)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

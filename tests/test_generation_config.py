@@ -21,6 +21,7 @@ from spur.actors.generation_config import (
     sampling_defaults,
     startup_message,
     with_eos,
+    with_tokenizer_eos,
 )
 from spur.actors.step import SamplingParams
 from spur.configs.schema import GenerationKey, ModelConfig
@@ -196,3 +197,19 @@ def test_with_eos_adds_stop_ids_unless_ignore_eos() -> None:
     assert with_eos(params, ()) is params
     ignoring = SamplingParams(ignore_eos=True)
     assert with_eos(ignoring, (11,)) is ignoring
+
+
+def test_the_tokenizers_eos_joins_the_models_other_eos_ids() -> None:
+    """vLLM's first EOS is the tokenizer's: it ends requests even where the model's
+    configs name another id (or none)."""
+
+    class Tok:
+        def __init__(self, eos: object) -> None:
+            self.eos_token_id = eos
+
+    assert with_tokenizer_eos((7,), 2, Tok(9)) == (7, 9)
+    assert with_tokenizer_eos((7,), 2, Tok(2)) == (7,)  # already the first
+    assert with_tokenizer_eos((7,), 2, Tok(7)) == (7,)  # already listed
+    assert with_tokenizer_eos((), None, Tok(0)) == (0,)
+    for none in (None, Tok(None), Tok(True), Tok(-1)):
+        assert with_tokenizer_eos((7,), 2, none) == (7,)

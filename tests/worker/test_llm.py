@@ -170,6 +170,47 @@ def test_the_generation_configs_eos_ids_end_requests(tiny_model_dir, tmp_path, s
     assert generate(generation_config="vllm")[0] == tokens
 
 
+def test_the_tokenizers_eos_ends_requests_under_either_mode(tiny_model_dir, tmp_path):
+    """A folder whose tokenizer ends a turn at an id its configs do not list (vLLM's
+    first EOS is the tokenizer's): that id ends requests, under "auto" and "vllm"."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    prompt = make_prompts(1, seed=5)[0]
+
+    def generate(params: SamplingParams, **kwargs) -> tuple[list[int], str, object]:
+        llm = LLM(str(folder), num_kv_blocks=32, block_size=4, **kwargs)
+        try:
+            (out,) = llm.generate([prompt], params)
+            llm.scheduler.check_integrity()
+        finally:
+            llm.shutdown()
+        c = out.outputs[0]
+        return list(c.token_ids), c.finish_reason, c.stop_reason
+
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    tokens, _, _ = generate(greedy)
+    stop = next(t for t in tokens[3:] if t not in tokens[:3] and t != config["eos_token_id"])
+    k = tokens.index(stop)
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), eos_token=f"t{stop}"
+    )
+    tok.save_pretrained(folder)
+    assert generate(greedy) == (tokens[: k + 1], "stop", stop)
+    assert generate(greedy, generation_config="vllm") == (tokens[: k + 1], "stop", stop)
+    ignoring = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert generate(ignoring)[0] == tokens
+
+
 def test_max_model_len_beyond_the_models_positions_is_refused(tiny_model_dir):
     import json
 

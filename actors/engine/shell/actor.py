@@ -60,6 +60,7 @@ class EngineReplica:
         options: dict[str, Any] | None = None,
     ) -> None:
         from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
+        from spur.actors.generation_config import with_tokenizer_eos
 
         self.lane = lane
         self.routing = routing
@@ -103,6 +104,9 @@ class EngineReplica:
             built = _in_own_thread(lambda: build_engine(self.args, **kwargs))
             self.built = built
             self.tokenizer = load_tokenizer(self.args.tokenizer_dir(built.info.model_dir))
+            self.eos_ids = with_tokenizer_eos(
+                built.more_eos_token_ids, built.info.eos_token_id, self.tokenizer
+            )
         except BaseException as exc:
             if self.index is not None:  # counted: a restart loop marks this node down
                 import ray
@@ -139,7 +143,7 @@ class EngineReplica:
                 self.built.core,
                 self.tokenizer,
                 eos_token_id=self.built.info.eos_token_id,
-                more_eos_token_ids=self.built.more_eos_token_ids,
+                more_eos_token_ids=self.eos_ids,
                 vocab_size=self.built.info.vocab_size,
                 stream_interval=self.args.stream_interval,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
