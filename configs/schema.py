@@ -254,7 +254,9 @@ class ModelConfig(_Section):
 
 class CacheConfig(_Section):
     """The paged KV pool of one engine. Its size is `num_kv_blocks`, else
-    `kv_cache_bytes` per device, else `gpu_memory_utilization` of the GPU (on CPU, 2 GiB)."""
+    `kv_cache_bytes` per device, else `gpu_memory_utilization` of the GPU (on CPU, 2 GiB).
+    On CPU a pool larger than the memory the process may still take (MemAvailable, or
+    the container's cgroup limit less its working set) is refused at start."""
 
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block: the unit of allocation, prefix caching and routing.

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from spur.actors.cache_spec import ModelGeometry
 from spur.actors.step import ModelRunnerOutput, SchedulerOutput
+from spur.actors.worker import host_memory
 from spur.actors.worker.compute_dtype import cpu_flags, native_dtypes, pick_compute_dtype
 from spur.actors.worker.layers.linear import pack_linears
 from spur.actors.worker.loader import load_model
@@ -243,7 +244,9 @@ class Worker:
         return max(0, budget // self.info.kv_bytes_per_block)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        assert self.runner is not None, "load_model first"
+        assert self.runner is not None and self.info is not None, "load_model first"
+        if self.device.type == "cpu":
+            _check_host_memory(num_blocks, num_blocks * self.info.kv_bytes_per_block)
         self.runner.initialize_cache(num_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -292,3 +295,18 @@ class Worker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_host_memory(num_blocks: int, size: int) -> None:
+    """Refuse a CPU KV pool larger than the memory this process may still take
+    (`host_memory`): allocated anyway, the OOM killer ends a process when it fills."""
+    found = host_memory.available_bytes()
+    if found is None or size <= found[0]:
+        return
+    room, source = found
+    raise ValueError(
+        f"a KV pool of {num_blocks:,} blocks ({size / 2**30:.2f} GiB) is more than the memory "
+        f"this process may still take, {room / 2**30:.2f} GiB ({source}): set "
+        "engine.kv_cache_bytes or engine.num_kv_blocks lower (the CPU default is "
+        f"{DEFAULT_CPU_KV_BYTES / 2**30:g} GiB), or give the host or container more memory"
+    )
