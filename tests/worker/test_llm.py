@@ -129,6 +129,18 @@ def test_bad_input_is_rejected_before_anything_runs(tiny_model_dir):
         llm.shutdown()
 
 
+def _one_request(folder, prompt, params: SamplingParams, **kwargs) -> tuple[list[int], str, object]:
+    """(token ids, finish reason, stop reason) of one request on a fresh LLM of `folder`."""
+    llm = LLM(str(folder), num_kv_blocks=32, block_size=4, **kwargs)
+    try:
+        (out,) = llm.generate([prompt], params)
+        llm.scheduler.check_integrity()
+    finally:
+        llm.shutdown()
+    c = out.outputs[0]
+    return list(c.token_ids), c.finish_reason, c.stop_reason
+
+
 @pytest.mark.parametrize("source", ["generation_config.json", "config.json"])
 def test_the_generation_configs_eos_ids_end_requests(tiny_model_dir, tmp_path, source):
     """Llama 3.1 Instruct lists [<|end_of_text|>, <|eom_id|>, <|eot_id|>]; the model's
@@ -145,14 +157,7 @@ def test_the_generation_configs_eos_ids_end_requests(tiny_model_dir, tmp_path, s
     free = SamplingParams(max_tokens=16, temperature=0)
 
     def generate(params: SamplingParams = free, **kwargs) -> tuple[list[int], str, object]:
-        llm = LLM(str(folder), num_kv_blocks=32, block_size=4, **kwargs)
-        try:
-            (out,) = llm.generate([prompt], params)
-            llm.scheduler.check_integrity()
-        finally:
-            llm.shutdown()
-        c = out.outputs[0]
-        return list(c.token_ids), c.finish_reason, c.stop_reason
+        return _one_request(folder, prompt, params, **kwargs)
 
     config = json.loads((folder / "config.json").read_text())
     primary = config["eos_token_id"]
@@ -187,14 +192,7 @@ def test_the_tokenizers_eos_ends_requests_under_either_mode(tiny_model_dir, tmp_
     prompt = make_prompts(1, seed=5)[0]
 
     def generate(params: SamplingParams, **kwargs) -> tuple[list[int], str, object]:
-        llm = LLM(str(folder), num_kv_blocks=32, block_size=4, **kwargs)
-        try:
-            (out,) = llm.generate([prompt], params)
-            llm.scheduler.check_integrity()
-        finally:
-            llm.shutdown()
-        c = out.outputs[0]
-        return list(c.token_ids), c.finish_reason, c.stop_reason
+        return _one_request(folder, prompt, params, **kwargs)
 
     greedy = SamplingParams(max_tokens=16, temperature=0)
     tokens, _, _ = generate(greedy)
