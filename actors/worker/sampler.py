@@ -18,12 +18,15 @@ Processing order, each step applied only to the rows that use it:
 5. greedy rows: argmax of these processed logits. Steps 6-8 keep the argmax token,
    so doing it here gives the same answer for less work.
 6. temperature: random rows' logits divided by T.
-7. top-k (ties at the k-th value are all kept), then top-p on the distribution left
-   by top-k (the smallest set of most likely tokens with mass >= top_p, plus any tied
-   with the last one; the top token always stays), then min-p (drop tokens with
-   p < min_p * p_max). min-p is last and computed in logit space
-   (l < l_max + log min_p): the ratio p / p_max does not change when earlier filters
-   renormalise, so min-p is a pure intersection here.
+7. min-p (drop tokens with p < min_p * p_max, computed in logit space as
+   l < l_max + log min_p), then top-k (ties at the k-th value are all kept), then top-p
+   on the distribution left by both (the smallest set of most likely tokens with
+   mass >= top_p, plus any tied with the last one; the top token always stays). This
+   is vLLM v1's order (min-p is an argmax-invariant logits processor, run before its
+   top-k/top-p sampler). min-p and top-k commute (both keep the top token and cut
+   by a ratio or a rank), but top-p does not: after min-p it measures its mass on the
+   renormalised rest, so [0.4, 0.3, 0.2, 0.1] with min_p 0.3 and top_p 0.75 keeps
+   the first two tokens, not three.
 8. sampling by exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. (made as
    -log u, u ~ U[0, 1)) is an exact draw from probs. A seeded row draws its own
    `[vocab]` u from its own generator, so its tokens depend on nothing but its seed and
@@ -112,9 +115,9 @@ class Sampler:
         greedy_ids = greedy_ids_of(logits) if meta.greedy is not None else None
         if meta.temperature is not None:
             logits.div_(meta.temperature.unsqueeze(1))
+        apply_min_p(logits, meta.min_p)
         apply_top_k(logits, meta.top_k)
         apply_top_p(logits, meta.top_p)
-        apply_min_p(logits, meta.min_p)
         random_ids = exponential_race(logits, meta)
         if greedy_ids is None:
             return random_ids
@@ -173,9 +176,9 @@ class Sampler:
             greedy_ids = greedy_ids_of(logits) if meta.greedy is not None else None
             if meta.temperature is not None:
                 logits.div_(meta.temperature.unsqueeze(1))
+            apply_min_p(logits, meta.min_p)
             apply_top_k(logits, meta.top_k)
             apply_top_p(logits, meta.top_p)
-            apply_min_p(logits, meta.min_p)
             probs = logits.softmax(dim=-1)  # [num_rows, vocab]
             p_draft = probs[rows_t, ids_t]  # [D]
             u = _uniform_for_rows(meta, draft_rows, dev)  # [D]

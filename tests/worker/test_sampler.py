@@ -192,6 +192,17 @@ def test_min_p_drops_unlikely_tokens() -> None:
     assert set(torch.nonzero(counts).flatten().tolist()) == {1, 2, 3}
 
 
+def test_top_p_measures_the_mass_left_after_min_p() -> None:
+    """vLLM v1 applies min-p before top-k/top-p. min_p 0.3 drops 0.1 and leaves
+    [0.444, 0.333, 0.222]; top_p 0.75 of that is the first two tokens. (top_p first,
+    on the whole distribution, would keep three: 0.4 + 0.3 < 0.75.)"""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    params = SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3)
+    counts = _draw_counts(probs.log(), params, 3000)
+    assert set(torch.nonzero(counts).flatten().tolist()) == {0, 1}
+    assert _chi_square(counts[[0, 1]], torch.tensor([4 / 7, 3 / 7])) < 10.83
+
+
 def test_mixed_batch_of_greedy_and_random_rows() -> None:
     vocab = 20
     state = _state(vocab, seed=5)
