@@ -56,7 +56,9 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top one. [0, 1]."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever the batch."""
+    """Per-request seed: the same seed gives the same tokens whatever the batch, with
+    or without speculative decoding (up to floating-point differences in the logits of
+    differently shaped batches, as for greedy)."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already generated. [-2, 2]."""
     frequency_penalty: float = 0.0

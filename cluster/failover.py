@@ -19,8 +19,9 @@ text picks up there (what the old one held back still arrives, a stop string acr
 the break matches), the resumed ids count for presence / frequency penalties, and a
 seeded request's generator is advanced past their draws. So greedy and seeded
 requests continue as the unbroken request would have, up to the floating-point
-differences of recomputing the prompt (and but for the verify draws of speculative
-decoding); an unseeded request continues with a valid, not the same, sample.
+differences of recomputing the prompt (speculative decoding included: it takes one
+draw per emitted token too); an unseeded request continues with a valid, not the same,
+sample.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ Processing order, each step applied only to the rows that use it:
 8. sampling by exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. (made as
    -log u, u ~ U[0, 1)) is an exact draw from probs. A seeded row draws its own
    `[vocab]` u from its own generator, so its tokens depend on nothing but its seed and
-   its own logits, not on the batch size or its row; unseeded rows share one generator.
+   its own logits, not on the batch size or its row, nor on speculative decoding
+   (`verify` takes one draw per emitted token too); unseeded rows share one generator.
 
 Logprobs are those of the model's raw distribution (log_softmax of the unprocessed
 logits), as vLLM returns by default: what the model believes, independent of the
@@ -136,13 +137,18 @@ class Sampler:
         then one token of the model's own) and per request the logprobs of its
         single row (requests that draft never ask for logprobs).
 
-        Draft i (a point mass: n-gram drafts have no distribution) is accepted with
-        probability p(draft) under the processed distribution p of its row (greedy
-        rows: iff it is the argmax); on rejection the token is drawn from p with the
-        draft removed, renormalised (greedy: the argmax). This is the rejection rule
-        of speculative sampling with a one-hot draft distribution: each emitted
-        token is distributed exactly as p. After k accepted drafts the last row
-        gives a bonus token, drawn from p as usual.
+        Each row draws its token x from its processed distribution p exactly as a
+        step without drafts would (`race`, with the same noise: a seeded request's
+        next draw from its own generator); draft j is accepted iff x equals it (greedy
+        rows: iff it is the argmax), and the first row whose x differs gives x. So the
+        emitted token at each position is x, distributed as p: the acceptance
+        probability is p(draft) and a rejection's token is p without the draft,
+        renormalised, as the rejection rule of speculative sampling with a one-hot
+        draft distribution gives them. A seeded request's generator is then set back
+        to just after the draws of the rows it emitted from, one draw per token: its
+        tokens are those it samples without speculation (given the same logits),
+        whatever the batch and whether it drafts, and a failover replays its draws by
+        counting tokens.
         """
         num_rows = sum(1 + len(d) for d in drafts)
         if logits.dim() != 2 or logits.shape[0] != num_rows or meta.num_reqs != num_rows:
@@ -163,6 +169,7 @@ class Sampler:
         rows_t = torch.tensor(draft_rows, dtype=torch.int64, device=dev)  # [D]
         ids_t = torch.tensor(draft_ids, dtype=torch.int64, device=dev)  # [D]
 
+        snapshots: dict[int, torch.Tensor] = {}  # seeded row -> generator state before its draw
         raw_logprobs = None
         if meta.logprobs is not None:
             lp_rows = meta.logprobs.rows
@@ -179,17 +186,11 @@ class Sampler:
             apply_min_p(logits, meta.min_p)
             apply_top_k(logits, meta.top_k)
             apply_top_p(logits, meta.top_p)
-            probs = logits.softmax(dim=-1)  # [num_rows, vocab]
-            p_draft = probs[rows_t, ids_t]  # [D]
-            u = _uniform_for_rows(meta, draft_rows, dev)  # [D]
-            accept = u < p_draft
-            # Residual max(p - q, 0) with q one-hot on the draft: p without it.
-            probs[rows_t, ids_t] = 0.0
-            chosen = race(probs, meta)
+            chosen = race(logits.softmax(dim=-1), meta, snapshots)  # [num_rows]
             if greedy_ids is not None:
                 assert meta.greedy is not None
                 chosen = torch.where(meta.greedy, greedy_ids, chosen)
-                accept = torch.where(meta.greedy[rows_t], greedy_ids[rows_t] == ids_t, accept)
+            accept = chosen[rows_t] == ids_t  # [D]
 
         row_logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
@@ -210,6 +211,13 @@ class Sampler:
                 out.append(chosen_list[start + len(d)])
             k += len(d)
             tokens.append(out)
+        if snapshots:
+            # Undo the draws of the rows after the last emitted one: one draw per token.
+            generators = dict(meta.seeded)
+            for start, d, out in zip(starts, drafts, tokens, strict=True):
+                unused = start + len(out)
+                if len(out) <= len(d) and unused in snapshots:
+                    generators[unused].set_state(snapshots[unused])
         return tokens, [row_logprobs[start] for start in starts]
 
 
@@ -227,27 +235,6 @@ def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
         if lib is not None:
             return lib.argmax_rows(logits)
     return logits.max(dim=-1).indices
-
-
-def _uniform_for_rows(
-    meta: SamplingMetadata, rows: list[int], device: torch.device
-) -> torch.Tensor:
-    """[len(rows)] U[0, 1), one per given row: a seeded row's from its own generator,
-    others' from the shared one. Only `rows` draw: a seeded request whose rows are not
-    among them (it has no draft this step) leaves its generator untouched, so its
-    tokens do not depend on whether others in the batch draft (vLLM's rule too)."""
-    u = torch.empty(len(rows), device=device)
-    if meta.any_unseeded_random:
-        u.uniform_(generator=meta.shared_generator)
-    else:
-        u.fill_(0.5)
-    if meta.seeded:
-        generators = dict(meta.seeded)
-        for j, row in enumerate(rows):
-            generator = generators.get(row)
-            if generator is not None:
-                u[j] = torch.rand((), generator=generator, device=device)
-    return u
 
 
 # ---- processing steps: each mutates logits [num_reqs, vocab] in place -------------------
@@ -366,9 +353,14 @@ def exponential_race(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return race(logits.softmax(dim=-1), meta)
 
 
-def race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def race(
+    probs: torch.Tensor,
+    meta: SamplingMetadata,
+    snapshots: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """`exponential_race` on probabilities (rows need not sum to 1: a draw from each
-    row renormalised). Overwrites `probs`. Returns [num_reqs] int64."""
+    row renormalised). Overwrites `probs`. Returns [num_reqs] int64. `snapshots`, when
+    given, receives each seeded row's generator state from before its draw."""
     u = torch.empty_like(probs)  # [num_reqs, vocab]
     if meta.any_unseeded_random:
         u.uniform_(generator=meta.shared_generator)
@@ -376,6 +368,8 @@ def race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         u.fill_(0.5)  # only greedy rows left to fill; their draw is discarded
     vocab = probs.shape[1]
     for row, generator in meta.seeded:
+        if snapshots is not None:
+            snapshots[row] = generator.get_state()
         u[row] = torch.rand(vocab, generator=generator, device=probs.device)
     q = u.log_().neg_()
     return probs.div_(q).argmax(dim=-1)

@@ -218,9 +218,9 @@ class SamplerState:
         prompt's last ids are output another replica generated (a failover
         continuation, whose params already count them for min_tokens and max_tokens):
         they count for presence / frequency penalties, and a seeded generator is
-        advanced past the draws they took (one [vocab] draw per token, as `race` makes;
-        with speculative decoding on the other replica, its verify draws are not
-        replayed). Stop ids at or above vocab_size can never be sampled and are ignored.
+        advanced past the draws they took (one [vocab] draw per token, as `race` makes
+        them, and as `Sampler.verify` leaves them with speculative decoding). Stop ids
+        at or above vocab_size can never be sampled and are ignored.
         Raises ValueError if `req_id` is already tracked or a prompt/output token id is
         outside the vocab.
         """

@@ -77,6 +77,56 @@ def test_rejection_rule_keeps_the_target_distribution():
     assert first[5] == 0  # top-k removed it: never emitted, not even as a correction
 
 
+def test_a_seeded_request_samples_the_same_tokens_with_and_without_drafts():
+    """Verification samples each row as a plain step would, with the same seeded draws,
+    and gives back the draws of rows it did not emit from: given the same logits, a
+    seeded request's tokens do not depend on its drafts (right, wrong or none), so
+    neither on the batch that turns drafting off nor on a failover's replay count."""
+    vocab = 40
+    torch.manual_seed(0)
+    table = torch.randn(vocab, vocab) * 2  # the "model": logits of the token after t
+
+    def logits_after(tokens: list[int]) -> torch.Tensor:
+        return table[tokens[-1]].clone()
+
+    params = SamplingParams(temperature=1.0, top_k=30, seed=77)
+
+    def plain(n: int) -> list[int]:
+        state = _state({"s": params})
+        tokens = [0]
+        for _ in range(n):
+            meta = state.build(["s"])
+            (t,) = Sampler()(logits_after(tokens).unsqueeze(0), meta).sampled_token_ids.tolist()
+            state.append_sampled(["s"], [t])
+            tokens.append(t)
+        return tokens[1:]
+
+    reference = plain(60)
+    state = _state({"s": params})
+    tokens = [0]
+    drafted = accepted = 0
+    step = 0
+    while len(tokens) - 1 < 60:
+        step += 1
+        # Drafts of 0-3 tokens: the reference's own next tokens (accepted) with some
+        # replaced by a wrong guess (rejected there).
+        pos = len(tokens) - 1
+        k = step % 4
+        draft = [
+            reference[pos + i] if (step + i) % 3 else (reference[pos + i] + 1) % vocab
+            for i in range(k)
+            if pos + i < len(reference)
+        ]
+        rows = [logits_after(tokens + draft[:j]) for j in range(len(draft) + 1)]
+        out, _ = Sampler().verify(torch.stack(rows), state.build(["s"] * len(rows)), [draft])
+        state.append_tokens("s", out[0])
+        tokens += out[0]
+        drafted += len(draft)
+        accepted += len(out[0]) - 1  # the drafts it kept (then one of its own)
+    assert tokens[1:61] == reference
+    assert 0 < accepted < drafted  # both accepted and rejected drafts were exercised
+
+
 # -- SmolLM2 end to end ------------------------------------------------------------------
 PASSAGE = (
     "The river starts high in the mountains, where snow melts each spring and runs down "
