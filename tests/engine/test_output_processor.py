@@ -60,6 +60,35 @@ def test_a_stop_token_after_held_text_releases_that_text(smol):
     assert final.outputs[0].text == "".join(texts) == " a wor"
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_ids_after_a_stop_string_in_the_same_step_are_not_output(smol, grouped):
+    """A speculative step brings several ids at once (accepted drafts). When a stop
+    string completes at one of them, the ids after it are not output (token ids,
+    the streamed delta's ids, logprobs), as one id per step would never have
+    generated them: the same output whether ids come grouped or one by one."""
+    from spur.actors.step import Logprobs
+
+    ids = smol.encode(" into a narrow valley. Farmers there")
+    done = next(i for i in range(len(ids)) if "valley" in smol.decode(ids[: i + 1])) + 1
+    params = SamplingParams(max_tokens=40, stop=("valley",), logprobs=0)
+    proc = OutputProcessor(smol)
+    proc.add_request("r", None, smol.encode("Hello"), params)
+    groups = [ids] if grouped else [[t] for t in ids]
+    deltas, final, to_finish = [], None, []
+    for group in groups:
+        lps = [Logprobs(sampled=-float(t), top=[]) for t in group]
+        update = proc.process([EngineCoreOutput("r", group, None, None, new_logprobs=lps)])
+        deltas += update.deltas
+        to_finish += update.to_finish
+        final = update.finished[0] if update.finished else final
+    assert final is not None and to_finish == ["r"]
+    out = final.outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (" into a narrow ", "stop", "valley")
+    assert out.token_ids == ids[:done] == [t for d in deltas for t in d.token_ids]
+    assert [lp.sampled for lp in out.logprobs] == [-float(t) for t in ids[:done]]
+    assert [lp.sampled for d in deltas for lp in d.logprobs] == [-float(t) for t in ids[:done]]
+
+
 def test_stop_strings_wait_for_min_tokens(smol):
     ids = smol.encode(" Hi. How are you. Fine")
     first_dot = next(i for i, t in enumerate(ids) if smol.decode(ids[: i + 1]).endswith("."))

@@ -173,6 +173,21 @@ class IncrementalDetokenizer:
             self._move_window(len(self._ids) - self.CONTEXT_TOKENS, held=0)
         return self._release(delta, final=False)
 
+    def update_counted(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
+        """`update`, and how many of the ids the output keeps: all of them, unless a
+        stop string is completed, then those up to the one that completed it. One
+        step can bring several ids (accepted speculative drafts); fed one by one, as a
+        step without drafts brings them, the ids after the stop string's are left out
+        of the output, as they would never have been generated."""
+        if not self._stops or len(new_token_ids) <= 1 or self._stopped_by is not None:
+            return self.update(new_token_ids), len(new_token_ids)
+        parts = []
+        for i, token_id in enumerate(new_token_ids):
+            parts.append(self.update((token_id,)))
+            if self._stopped_by is not None:
+                return "".join(parts), i + 1
+        return "".join(parts), len(new_token_ids)
+
     def finish(self) -> str:
         """End the stream (EOS, length, abort): return all text still held back, an
         unfinished character at the end as one U+FFFD. Idempotent; returns "" if a

@@ -127,22 +127,22 @@ class OutputProcessor:
             comp = tracked.output.outputs[eo.index]
             if comp.finished:
                 continue  # already ended by a stop string
-            comp.token_ids.extend(eo.new_token_ids)
-            comp.num_draft_tokens = eo.num_draft_tokens
-            comp.num_accepted_tokens = eo.num_accepted_tokens
-            if eo.new_logprobs:
-                comp.logprobs = (comp.logprobs or []) + eo.new_logprobs
+            new_ids, new_logprobs = eo.new_token_ids, eo.new_logprobs
             text = ""
             detok = tracked.detoks[eo.index]
             finish_reason, stop_reason = eo.finish_reason, eo.stop_reason
             if detok is not None:
-                ids = eo.new_token_ids
+                ids = new_ids
                 if eo.finish_reason == "stop" and ids and not tracked.include_stop:
                     # The engine stopped on a token (EOS, stop_token_ids), which is the
                     # last id: its text is not part of the output (vLLM's rule too).
                     ids = ids[:-1]
-                text = detok.update(ids) if ids else ""
+                text, used = detok.update_counted(ids) if ids else ("", 0)
                 if detok.stopped_by is not None:
+                    # Ids past the stop string's (accepted drafts of the same step)
+                    # are not output: the same ids as without speculation.
+                    new_ids = new_ids[:used]
+                    new_logprobs = new_logprobs[:used] if new_logprobs else new_logprobs
                     finish_reason, stop_reason = "stop", detok.stopped_by
                     if not eo.finished:
                         update.to_finish.append(eo.req_id)
@@ -154,6 +154,11 @@ class OutputProcessor:
                 if tracked.carry:
                     text, tracked.carry = tracked.carry + text, ""
                 comp.text = detok.text
+            comp.token_ids.extend(new_ids)
+            comp.num_draft_tokens = eo.num_draft_tokens
+            comp.num_accepted_tokens = eo.num_accepted_tokens
+            if new_logprobs:
+                comp.logprobs = (comp.logprobs or []) + new_logprobs
             comp.finish_reason = finish_reason
             comp.stop_reason = stop_reason
             update.deltas.append(
@@ -161,10 +166,10 @@ class OutputProcessor:
                     rid,
                     eo.index,
                     text,
-                    list(eo.new_token_ids),
+                    list(new_ids),
                     finish_reason,
                     stop_reason,
-                    eo.new_logprobs,
+                    new_logprobs,
                 )
             )
             if tracked.output.finished:
