@@ -39,14 +39,17 @@ def test_ngram_takes_the_longest_suffix_then_the_latest_occurrence():
     assert NgramIndex(1, 3).propose(tokens, 2) == [9, 2]
 
 
-def test_ngram_drafts_stop_at_the_end_and_never_match_the_suffix_itself():
+def test_ngram_drafts_continue_a_repeat_and_never_match_the_suffix_itself():
+    """An occurrence ending less than k tokens before the end is a repeat: the draft
+    goes on with its period, k tokens (vLLM's earliest match gives k there too)."""
     index = NgramIndex(2, 2)
     assert index.propose([1, 2, 3], 4) == []  # "2 3" occurs only as the suffix
     tokens = [1, 2, 1, 2]
-    assert index.propose(tokens, 5) == [1, 2]  # follows the end at 2: only 2 known
+    assert index.propose(tokens, 5) == [1, 2, 1, 2, 1]  # follows the end at 2: period 2
     tokens += [1]  # the index grows incrementally
-    assert index.propose(tokens, 5) == [2, 1]
+    assert index.propose(tokens, 5) == [2, 1, 2, 1, 2]
     assert NgramIndex(3, 4).propose([1, 2, 1, 2], 5) == []  # below min_n
+    assert NgramIndex(1, 3).propose([4] + [7] * 9, 4) == [7, 7, 7, 7]  # a one-token loop
 
 
 def test_who_may_draft():

@@ -21,8 +21,9 @@ worker cuts its tables to match, `CachedRequestData.block_table_lengths`), so a
 request never holds more blocks than its tokens need, as the leak detector checks.
 
 Drafting (`propose`) matches the last n tokens, n from `max_n` down to `min_n`,
-against the request's own earlier tokens (prompt and output) and drafts the up
-to k tokens that followed the most recent earlier occurrence. An index of every
+against the request's own earlier tokens (prompt and output) and drafts the k
+tokens that followed the most recent earlier occurrence (continued with the
+repeat's period when that occurrence ends less than k tokens before the end). An index of every
 n-gram's latest end is kept per request and extended as tokens arrive, so one
 proposal costs O(max_n) dict lookups however long the request is.
 
@@ -112,14 +113,20 @@ class NgramIndex:
         self._indexed = max(self._indexed, stop + 1)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the
-        longest matching suffix; [] when no suffix of length >= min_n recurs."""
+        """k tokens that followed the latest earlier occurrence of the longest
+        matching suffix; [] when no suffix of length >= min_n recurs.
+
+        An occurrence ending at j, fewer than k tokens before the end, means the
+        tokens from j on repeat with period `len(tokens) - j` (the suffix is the
+        same n-gram again): the draft goes on with that period. A request looping
+        on one token drafts k of it, not 1; vLLM's earliest match gives k there too."""
         self.extend(tokens)
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             j = self.last_end[n].get(tuple(tokens[length - n :]))
             if j is not None:
-                return tokens[j : min(j + k, length)]
+                period = length - j
+                return [tokens[j + i % period] for i in range(k)]
         return []
 
 
