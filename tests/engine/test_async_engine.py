@@ -487,3 +487,35 @@ def test_the_models_other_eos_ids_end_requests_unless_they_ignore_eos():
     assert out.token_ids == free[: k + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert asyncio.run(run((stop,), ignore_eos=True)).outputs[0].token_ids == free
+
+
+@pytest.mark.parametrize("at_the_end", [False, True])
+def test_a_stop_string_ending_is_counted_and_reported_as_the_client_sees_it(smol, at_the_end):
+    """A stop string on the last token max_tokens allows: the engine ended at
+    "length", the client is told "stop", and vllm:request_success_total counts
+    "stop". One before the end finishes the request after the step's stats were
+    taken, and no step may follow: the gauges must read the engine as idle."""
+    from spur.actors.engine.shell.metrics import EngineMetrics
+
+    words = smol.encode(" one two three four five six")
+    prompt = [1, 2, 3, 4]
+
+    async def run() -> tuple[object, dict]:
+        core, sched, fake = make_engine(block_size=4, num_blocks=64, budget=24)
+        fake.model = lambda tokens: words[len(tokens) - len(prompt)]
+        metrics = EngineMetrics(max_model_len=200)
+        engine = AsyncEngine(core, smol, eos_token_id=None, metrics=metrics)
+        try:
+            stop = " six" if at_the_end else " three"
+            out = await collect(engine, "r", prompt, max_tokens=len(words), stop=[stop])
+            return out.outputs[0], metrics.snapshot()
+        finally:
+            await engine.shutdown()
+            sched.check_integrity()
+
+    comp, snap = asyncio.run(run())
+    text = " one two three four five" if at_the_end else " one two"
+    assert (comp.text, comp.finish_reason) == (text, "stop")
+    assert snap["request_success"].get("stop") == 1 and not snap["request_success"].get("length")
+    assert snap["gauges"]["vllm:num_requests_running"] == 0
+    assert snap["gauges"]["vllm:kv_cache_usage_perc"] == 0.0

@@ -481,9 +481,13 @@ class AsyncEngine:
         if update.to_finish:
             self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
         if self.metrics is not None:
-            self.metrics.on_step(outputs, stats, self.scheduler, started=started)
+            self.metrics.on_step(
+                outputs, stats, self.scheduler, started=started, reasons=update.finish_reasons
+            )
             for rid in update.to_finish:
                 self.metrics.finish(rid, "stop")
+            if update.to_finish:  # the step's stats still count them: no step may follow
+                self.metrics.refresh_gauges(self.scheduler)
         # One hand-over per step, not one per request: each wakes the event loop
         # thread, which then competes with this thread's forward for the GIL.
         items: list[Delta | RequestOutput] = [*update.deltas, *update.finished]

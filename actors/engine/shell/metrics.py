@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,11 +251,18 @@ class EngineMetrics:
         self.kv_usage = scheduler.kv.usage
 
     def on_step(
-        self, outputs: Sequence[Any], stats: Any, scheduler: Any, started: float | None = None
+        self,
+        outputs: Sequence[Any],
+        stats: Any,
+        scheduler: Any,
+        started: float | None = None,
+        reasons: Mapping[str, str] | None = None,
     ) -> None:
         """After one step: `outputs` are its EngineCoreOutputs, `stats` its
         SchedulerStats, `scheduler` the engine's Scheduler (read only), `started` the
-        clock before the step (when its requests were scheduled; default now)."""
+        clock before the step (when its requests were scheduled; default now).
+        `reasons`: finish reasons that replace an output's own (the client was told
+        "stop" where the engine ended at "length": `Update.finish_reasons`)."""
         now = self.clock()
         scheduled_at = now if started is None else started
         requests = self._requests
@@ -285,7 +292,8 @@ class EngineMetrics:
                 t.last_token = now
                 t.num_generated += n
             if out.finish_reason is not None:
-                self._finished(out.req_id, t, out.finish_reason, now)
+                reason = reasons.get(out.req_id, out.finish_reason) if reasons else None
+                self._finished(out.req_id, t, reason or out.finish_reason, now)
         self.prompt_tokens += step_prompt
         self.generation_tokens += step_generated
         self.histograms["vllm:iteration_tokens_total"].observe(

@@ -35,6 +35,10 @@ class Update:
     finished: list[RequestOutput] = field(default_factory=list)
     # Engine request ids that hit a stop string: finish them in the scheduler.
     to_finish: list[str] = field(default_factory=list)
+    # Engine request ids the engine finished this step for one reason ("length") but
+    # whose client was told another ("stop": a stop string on the last allowed
+    # token): the reason the metrics must count.
+    finish_reasons: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,6 +150,8 @@ class OutputProcessor:
                     finish_reason, stop_reason = "stop", detok.stopped_by
                     if not eo.finished:
                         update.to_finish.append(eo.req_id)
+                    elif eo.finish_reason != "stop":
+                        update.finish_reasons[eo.req_id] = "stop"
                 elif finish_reason is not None:
                     text += detok.finish()
                 if tracked.skip:  # a continuation: the client has this text already
