@@ -14,9 +14,9 @@ as vLLM ignores them. `eos_token_id` is not a default either but, as in vLLM
 (`SamplingParams.update_from_generation_config`), every id it lists ends a request that
 does not set ignore_eos (`more_eos_token_ids`, `with_eos`): Llama 3.1 Instruct's
 `<|eot_id|>` and Qwen2.5's `<|endoftext|>` are listed there, not as the model's first EOS.
-The tokenizer's own EOS ends requests too, under either mode (`with_tokenizer_eos`): vLLM's
-first EOS is the tokenizer's, so a folder whose configs name another id, or none, still
-ends a chat turn where its tokenizer says it ends.
+The tokenizer's own EOS ends requests too, under either mode (`eos_ids`): as in vLLM it is
+the request's EOS, so a folder whose configs name another id, or none, still ends a chat
+turn where its tokenizer says it ends.
 A request's own value always wins, except that an override's max_new_tokens caps every
 request's max_tokens (vLLM's rule too). Values are checked where the engine is built
 (`check_defaults`), so a bad file stops the engine at start with its path, not each request.
@@ -173,16 +173,19 @@ def more_eos_token_ids(
     return tuple(dict.fromkeys(i for i in ids if i != primary))
 
 
-def with_tokenizer_eos(
-    more: tuple[int, ...], primary: int | None, tokenizer: Any | None
-) -> tuple[int, ...]:
-    """`more` (the EOS ids besides `primary`) with the tokenizer's `eos_token_id` added when
-    it is neither: vLLM stops every request at the tokenizer's EOS
-    (`InputPreprocessor.get_eos_token_id`), whatever the model's configs list."""
+def eos_ids(
+    primary: int | None, more: tuple[int, ...], tokenizer: Any | None
+) -> tuple[int | None, tuple[int, ...]]:
+    """(the request's EOS id, the other EOS ids) as vLLM sets them: the tokenizer's
+    `eos_token_id` is the request's own EOS (`InputPreprocessor.get_eos_token_id`: it
+    ends a request with stop_reason None, and min_tokens masks it even under
+    ignore_eos); the model's first EOS (`primary`, config.json's) joins `more` (the
+    generation config's) when it differs. Without a tokenizer EOS, `primary` stays."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0 or eos == primary:
-        return more
-    return tuple(dict.fromkeys((*more, eos)))
+        return primary, more
+    others = (*more, primary) if primary is not None else more
+    return eos, tuple(dict.fromkeys(i for i in others if i != eos))
 
 
 def with_eos(params: SamplingParams, eos_ids: tuple[int, ...]) -> SamplingParams:

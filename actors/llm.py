@@ -18,7 +18,7 @@ from spur.actors.engine.core.request import RequestStatus
 from spur.actors.engine.core.scheduler import check_token_ids
 from spur.actors.engine.shell.chat_template import chat_token_ids
 from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
-from spur.actors.generation_config import with_eos, with_tokenizer_eos
+from spur.actors.generation_config import eos_ids, with_eos
 from spur.actors.step import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class LLM:
         self.info = built.info
         self.sampling_defaults = built.sampling_defaults
         self._more_eos = built.more_eos_token_ids
+        self._eos: tuple[int | None, tuple[int, ...]] | None = None
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self.last_run_stats: dict[str, Any] = {}
@@ -70,10 +71,13 @@ class LLM:
         return self._tokenizer or None
 
     @property
-    def more_eos_token_ids(self) -> tuple[int, ...]:
-        """The EOS ids besides `info.eos_token_id` that end every request without
-        ignore_eos: the model's generation config's and the tokenizer's (`with_tokenizer_eos`)."""
-        return with_tokenizer_eos(self._more_eos, self.info.eos_token_id, self.tokenizer)
+    def eos_token_ids(self) -> tuple[int | None, tuple[int, ...]]:
+        """(each request's EOS id, the other EOS ids that end requests without
+        ignore_eos), as vLLM sets them (`generation_config.eos_ids`): the tokenizer's
+        EOS first, then the model's configs'."""
+        if self._eos is None:
+            self._eos = eos_ids(self.info.eos_token_id, self._more_eos, self.tokenizer)
+        return self._eos
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -106,10 +110,9 @@ class LLM:
         rid = str(next(self._ids))
         token_ids = self.encode(prompt)
         check_token_ids(token_ids, self.info.vocab_size)
-        params = with_eos(params, self.more_eos_token_ids)
-        request = self.scheduler.make_request(
-            rid, token_ids, params, eos_token_id=self.info.eos_token_id
-        )
+        eos, more_eos = self.eos_token_ids
+        params = with_eos(params, more_eos)
+        request = self.scheduler.make_request(rid, token_ids, params, eos_token_id=eos)
         # The processor first: it refuses what it cannot follow (stop strings without a
         # tokenizer) before the engine holds a request nobody would collect.
         processor.add_request(rid, prompt if isinstance(prompt, str) else None, token_ids, params)

@@ -16,12 +16,12 @@ from spur.actors.generation_config import (
     SamplingDefaults,
     check_defaults,
     describe,
+    eos_ids,
     more_eos_token_ids,
     read_generation_config,
     sampling_defaults,
     startup_message,
     with_eos,
-    with_tokenizer_eos,
 )
 from spur.actors.step import SamplingParams
 from spur.configs.schema import GenerationKey, ModelConfig
@@ -199,17 +199,17 @@ def test_with_eos_adds_stop_ids_unless_ignore_eos() -> None:
     assert with_eos(ignoring, (11,)) is ignoring
 
 
-def test_the_tokenizers_eos_joins_the_models_other_eos_ids() -> None:
-    """vLLM's first EOS is the tokenizer's: it ends requests even where the model's
-    configs name another id (or none)."""
+def test_the_tokenizers_eos_is_the_requests_eos_and_the_models_joins_the_others() -> None:
+    """vLLM's request EOS is the tokenizer's (stop_reason None, masked by min_tokens
+    even under ignore_eos): config.json's first EOS then ends requests as another id."""
 
     class Tok:
         def __init__(self, eos: object) -> None:
             self.eos_token_id = eos
 
-    assert with_tokenizer_eos((7,), 2, Tok(9)) == (7, 9)
-    assert with_tokenizer_eos((7,), 2, Tok(2)) == (7,)  # already the first
-    assert with_tokenizer_eos((7,), 2, Tok(7)) == (7,)  # already listed
-    assert with_tokenizer_eos((), None, Tok(0)) == (0,)
+    assert eos_ids(2, (7,), Tok(9)) == (9, (7, 2))
+    assert eos_ids(2, (7, 9), Tok(9)) == (9, (7, 2))  # listed already: not twice
+    assert eos_ids(2, (7,), Tok(2)) == (2, (7,))  # the same id
+    assert eos_ids(None, (), Tok(0)) == (0, ())
     for none in (None, Tok(None), Tok(True), Tok(-1)):
-        assert with_tokenizer_eos((7,), 2, none) == (7,)
+        assert eos_ids(2, (7,), none) == (2, (7,))

@@ -203,10 +203,14 @@ def test_the_tokenizers_eos_ends_requests_under_either_mode(tiny_model_dir, tmp_
         tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), eos_token=f"t{stop}"
     )
     tok.save_pretrained(folder)
-    assert generate(greedy) == (tokens[: k + 1], "stop", stop)
-    assert generate(greedy, generation_config="vllm") == (tokens[: k + 1], "stop", stop)
+    # The request's own EOS, as vLLM's: stop_reason None (a stop token id would say it).
+    assert generate(greedy) == (tokens[: k + 1], "stop", None)
+    assert generate(greedy, generation_config="vllm") == (tokens[: k + 1], "stop", None)
     ignoring = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     assert generate(ignoring)[0] == tokens
+    # min_tokens masks it even under ignore_eos (vLLM's _all_stop_token_ids)
+    masked = SamplingParams(max_tokens=16, min_tokens=16, temperature=0, ignore_eos=True)
+    assert stop not in generate(masked)[0]
 
 
 def test_max_model_len_beyond_the_models_positions_is_refused(tiny_model_dir):

@@ -60,7 +60,7 @@ class EngineReplica:
         options: dict[str, Any] | None = None,
     ) -> None:
         from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
-        from spur.actors.generation_config import with_tokenizer_eos
+        from spur.actors.generation_config import eos_ids
 
         self.lane = lane
         self.routing = routing
@@ -104,8 +104,8 @@ class EngineReplica:
             built = _in_own_thread(lambda: build_engine(self.args, **kwargs))
             self.built = built
             self.tokenizer = load_tokenizer(self.args.tokenizer_dir(built.info.model_dir))
-            self.eos_ids = with_tokenizer_eos(
-                built.more_eos_token_ids, built.info.eos_token_id, self.tokenizer
+            self.eos_ids = eos_ids(
+                built.info.eos_token_id, built.more_eos_token_ids, self.tokenizer
             )
         except BaseException as exc:
             if self.index is not None:  # counted: a restart loop marks this node down
@@ -142,8 +142,8 @@ class EngineReplica:
             self.engine = AsyncEngine(
                 self.built.core,
                 self.tokenizer,
-                eos_token_id=self.built.info.eos_token_id,
-                more_eos_token_ids=self.eos_ids,
+                eos_token_id=self.eos_ids[0],
+                more_eos_token_ids=self.eos_ids[1],
                 vocab_size=self.built.info.vocab_size,
                 stream_interval=self.args.stream_interval,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
