@@ -246,7 +246,10 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.runner is not None and self.info is not None, "load_model first"
         if self.device.type == "cpu":
-            _check_host_memory(num_blocks, num_blocks * self.info.kv_bytes_per_block)
+            # The ranks of one engine share its host (one node: STRICT_PACK, or the
+            # processes of MultiprocExecutor) and check at once: each counts them all.
+            ranks = self.config.tensor_parallel_size
+            _check_host_memory(num_blocks, num_blocks * self.info.kv_bytes_per_block, ranks)
         self.runner.initialize_cache(num_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -297,16 +300,24 @@ class Worker:
             dist.destroy_process_group()
 
 
-def _check_host_memory(num_blocks: int, size: int) -> None:
-    """Refuse a CPU KV pool larger than the memory this process may still take
-    (`host_memory`): allocated anyway, the OOM killer ends a process when it fills."""
+def _check_host_memory(num_blocks: int, size: int, ranks: int = 1) -> None:
+    """Refuse a CPU KV pool (`size` bytes, this rank's) larger than the memory this
+    process may still take (`host_memory`) once the `ranks` pools of the engine's
+    ranks on this host are counted: allocated anyway, the OOM killer ends a process
+    when they fill."""
     found = host_memory.available_bytes()
-    if found is None or size <= found[0]:
+    if found is None or size * ranks <= found[0]:
         return
     room, source = found
+    what = (
+        f"{ranks} ranks' KV pools of {num_blocks:,} blocks each ({size * ranks / 2**30:.2f} "
+        "GiB in all) are"
+        if ranks > 1
+        else f"a KV pool of {num_blocks:,} blocks ({size / 2**30:.2f} GiB) is"
+    )
     raise ValueError(
-        f"a KV pool of {num_blocks:,} blocks ({size / 2**30:.2f} GiB) is more than the memory "
-        f"this process may still take, {room / 2**30:.2f} GiB ({source}): set "
+        f"{what} more than the "
+        f"memory this process may still take, {room / 2**30:.2f} GiB ({source}): set "
         "engine.kv_cache_bytes or engine.num_kv_blocks lower (the CPU default is "
         f"{DEFAULT_CPU_KV_BYTES / 2**30:g} GiB), or give the host or container more memory"
     )

@@ -85,3 +85,41 @@ def test_a_pool_larger_than_the_memory_left_is_refused_at_start(tiny_model_dir):
     with pytest.raises(ValueError, match=r"more than the memory this process may still take") as e:
         LLM(str(tiny_model_dir("llama")), num_kv_blocks=10**8, block_size=256)
     assert "engine.kv_cache_bytes or engine.num_kv_blocks lower" in str(e.value)
+
+
+def test_an_ancestors_limit_binds_too(tmp_path):
+    """Slurm limits the job, not its task's leaf (v2); a v1 leaf reports its ancestors'
+    limit as hierarchical_memory_limit."""
+    limited = {
+        "job_1/memory.max": f"{4 * GIB}",
+        "job_1/memory.current": f"{3 * GIB}",
+        "job_1/memory.stat": "inactive_file 0\n",
+        "job_1/step_0/memory.max": "max",
+        "job_1/step_0/memory.current": f"{3 * GIB}",
+        "job_1/step_0/task_0/memory.max": "max",
+        "job_1/step_0/task_0/memory.current": f"{3 * GIB}",
+    }
+    room, source = available_bytes(fake_root(tmp_path / "v2", "0::/job_1/step_0/task_0\n", limited))
+    assert room == GIB and "job_1/memory.max" in source
+    v1 = {
+        "memory/parent/memory.limit_in_bytes": f"{4 * GIB}",
+        "memory/parent/memory.usage_in_bytes": f"{3 * GIB}",
+        "memory/parent/child/memory.limit_in_bytes": "9223372036854771712",
+        "memory/parent/child/memory.usage_in_bytes": f"{3 * GIB}",
+        "memory/parent/child/memory.stat": f"hierarchical_memory_limit {4 * GIB}\n",
+    }
+    assert available_bytes(fake_root(tmp_path / "v1", "4:memory:/parent/child\n", v1))[0] == GIB
+
+
+def test_the_ranks_of_one_engine_count_together():
+    """Tensor-parallel ranks share their engine's host and check at the same time:
+    each counts every rank's pool, or two pools of 3/4 of the memory would pass."""
+    from spur.actors.worker.worker import _check_host_memory
+
+    found = available_bytes()
+    if found is None:
+        pytest.skip("this host says nothing of its memory")
+    size = found[0] * 3 // 4
+    _check_host_memory(100, size, ranks=1)
+    with pytest.raises(ValueError, match=r"2 ranks' KV pools of 100 blocks each .* are more"):
+        _check_host_memory(100, size, ranks=2)
