@@ -15,6 +15,7 @@ the mapping to `SamplingParams`) is `cluster/api_requests.py`.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -45,6 +46,14 @@ class TokenStrings:
 
     def __call__(self, tid: int) -> str:
         return self.text(tid)
+
+
+def token_strings(raw: Callable[[int], bytes]) -> TokenStrings:
+    """Logprobs' spelling of tokens from their raw bytes (`detokenizer.token_bytes`):
+    the text of those bytes, U+FFFD where a token holds part of a character. Not the
+    tokenizer's `decode([tid])`: a SentencePiece decoder strips a lone token's leading
+    space ("\u2581world" reads "world"), so the tokens would not join into the text."""
+    return TokenStrings(lambda tid: raw(tid).decode("utf-8", errors="replace"), raw)
 
 
 MIN_LOGPROB = -9999.0
@@ -143,38 +152,60 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
+class TextOffsets:
+    """Where each token's text starts in a completion's text (OpenAI's `text_offset`),
+    counted on the tokens' own bytes (`TokenStrings.raw`, else their text's UTF-8): a
+    token holding the first bytes of a character starts where that character does, and
+    the count moves past the character once its last byte arrives. One per choice, kept
+    across a stream's chunks, so text held back for a possible stop string (sent later,
+    or never) does not move the offsets of the tokens after it."""
+
+    def __init__(self) -> None:
+        self._chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, data: bytes) -> int:
+        """The offset of the token whose bytes are `data`; counts it."""
+        at = self._chars
+        self._chars += len(self._decoder.decode(data))
+        return at
+
+
 def completion_logprobs(
     token_ids: Sequence[int],
     logprobs: Sequence[Logprobs],
     token_str: TokenStr,
     *,
-    text_offset: int = 0,
+    offsets: TextOffsets | None = None,
     num_top: int | None = None,
 ) -> dict[str, Any]:
     """The legacy completions format: {tokens, token_logprobs, top_logprobs:
     [{token: logprob}], text_offset}. Each top dict holds the `num_top` most
-    likely tokens plus the sampled one (as OpenAI does). `text_offset` is where
-    the first token's text starts in the completion (for a stream: the length of
-    the text already sent). Raises ValueError if the two sequences differ in length."""
+    likely tokens plus the sampled one with its own logprob (as OpenAI does; where
+    two ids spell the same string, the sampled one's value wins). `offsets`: the
+    choice's `TextOffsets` (a stream passes the same one for every chunk); a fresh
+    one starts at 0. Raises ValueError if the two sequences differ in length."""
+    raw = token_str.raw if isinstance(token_str, TokenStrings) else None
+    counter = TextOffsets() if offsets is None else offsets
     tokens: list[str] = []
     token_logprobs: list[float] = []
     tops: list[dict[str, float]] = []
-    offsets: list[int] = []
-    offset = text_offset
+    text_offsets: list[int] = []
     for tid, lp in zip(token_ids, logprobs, strict=True):
         text = token_str(tid)
         tokens.append(text)
         token_logprobs.append(_finite(lp.sampled))
-        top = {token_str(t): _finite(v) for t, v in lp.top[:num_top]}
-        top.setdefault(text, _finite(lp.sampled))
+        top: dict[str, float] = {}
+        for t, v in lp.top[:num_top]:
+            top.setdefault(token_str(t), _finite(v))
+        top[text] = _finite(lp.sampled)
         tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
+        text_offsets.append(counter.take(raw(tid) if raw else text.encode("utf-8")))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": text_offsets,
     }
 
 
@@ -447,7 +478,7 @@ class ChunkStream:
         self._tokens = [0] * self.num_choices
         self._started = [False] * self.num_choices
         self._finished = [False] * self.num_choices
-        self._text_len = [0] * self.num_choices
+        self._offsets = [TextOffsets() for _ in range(self.num_choices)]
 
     @classmethod
     def for_request(
@@ -540,12 +571,11 @@ class ChunkStream:
                     ids,
                     logprobs,
                     self.token_str,
-                    text_offset=self._text_len[index],
+                    offsets=self._offsets[index],
                     num_top=self.num_top_logprobs,
                 )
         if not delta.text and lp is None and delta.finish_reason is None:
             return []
-        self._text_len[index] += len(delta.text)
         self._finished[index] = delta.finish_reason is not None
         if not self.chat:
             chunk = completion_chunk(

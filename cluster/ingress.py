@@ -517,13 +517,13 @@ class Ingress:
         )
 
     def _token_str(self, lane: Lane) -> rs.TokenStrings:
-        """How logprobs spell the lane's tokens: their text, and their raw bytes (the
-        table behind them is built once per tokenizer)."""
+        """How logprobs spell the lane's tokens (`rs.token_strings` of their raw bytes;
+        the table behind them is built once per tokenizer)."""
         tok = lane.tokenizer
         known = self._token_bytes.get(id(tok))
         if known is None or known[0] is not tok:
             known = self._token_bytes[id(tok)] = (tok, token_bytes(tok))
-        return rs.TokenStrings(lambda tid: tok.decode([tid], skip_special_tokens=False), known[1])
+        return rs.token_strings(known[1])
 
     def _ensure_monitor(self) -> None:
         loop = asyncio.get_running_loop()

@@ -347,7 +347,9 @@ def test_non_streaming_bodies_match_openai_types() -> None:
 
 def test_logprob_formats_and_non_finite_values() -> None:
     lps = [Logprobs(-math.inf, [(99, -math.inf), (3, -1.0)]), Logprobs(-0.25, [(3, -0.25)])]
-    comp = rs.completion_logprobs([99, 3], lps, token_str, text_offset=4, num_top=1)
+    offsets = rs.TextOffsets()
+    offsets.take(b"abcd")  # a stream's earlier chunk: 4 characters
+    comp = rs.completion_logprobs([99, 3], lps, token_str, offsets=offsets, num_top=1)
     assert comp == {
         "tokens": ["é", "t3 "],
         "token_logprobs": [rs.MIN_LOGPROB, -0.25],
@@ -366,6 +368,35 @@ def test_logprob_formats_and_non_finite_values() -> None:
     assert [c["bytes"] for c in content] == [[0xC3], [0xA9]]
     assert bytes(b for c in content for b in c["bytes"]).decode() == "é"
     assert content[0]["token"] == "\ufffd" and content[0]["top_logprobs"][0]["bytes"] == [0xC3]
+
+
+def test_text_offsets_index_the_text_of_split_characters_and_held_back_streams() -> None:
+    """OpenAI's text_offset[i] is where token i starts in the choice's text. Counted on
+    the tokens' bytes: the halves of a split character start where it starts and the
+    next token after it. A stream counts the same, though the text it sent so far is
+    shorter (held back for a stop string): the same offsets as the plain answer."""
+    pieces = {1: b"a", 2: b" \xf0\x9f", 3: b"\x98\x80", 4: b" c", 5: b" d"}
+    strs = rs.TokenStrings(lambda t: pieces[t].decode(errors="replace"), pieces.__getitem__)
+    lps = [Logprobs(-1.0, []) for _ in pieces]
+    plain = rs.completion_logprobs(list(pieces), lps, strs, num_top=0)
+    assert b"".join(pieces.values()).decode() == "a \U0001f600 c d"
+    assert plain["text_offset"] == [0, 1, 2, 3, 5]
+    stream = rs.ChunkStream(
+        chat=False, request_id="c", model=MODEL, created=1, n=1, token_str=strs, num_top_logprobs=0
+    )
+    got = []
+    for ids, text in [([1, 2], "a"), ([3], ""), ([4], " \U0001f600 c"), ([5], " d")]:
+        for chunk in stream.update(Delta("r", 0, text, ids, None), lps[: len(ids)]):
+            got += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert got == plain["text_offset"]
+
+
+def test_the_sampled_token_keeps_its_own_logprob_among_same_spelled_ones() -> None:
+    """Two ids that spell the same string (two halves of characters both read
+    U+FFFD): the sampled one's logprob is the one its top entry shows."""
+    strs = rs.TokenStrings(lambda t: "\ufffd", lambda t: bytes([0xC3 if t == 7 else 0xA9]))
+    comp = rs.completion_logprobs([8], [Logprobs(-0.1, [(7, -0.05), (8, -0.1)])], strs)
+    assert comp["top_logprobs"] == [{"\ufffd": -0.1}] and comp["token_logprobs"] == [-0.1]
 
 
 def test_chunk_stream_skips_empty_deltas_and_finished_choices() -> None:

@@ -330,3 +330,20 @@ def test_token_bytes_join_into_the_texts_utf8(smol, sentencepiece, text):
         pieces += [f"\u2581{w}"] if f"\u2581{w}" in sentencepiece.vocab_map else ["\u2581", w]
     ids = sp_ids(sentencepiece, [p for p in pieces if p])
     assert b"".join(of(t) for t in ids) == text.encode()
+
+
+def test_logprob_tokens_join_into_the_text_sentencepiece_spaces_included(sentencepiece):
+    """A SentencePiece decoder strips a lone token's leading space (decode of
+    "\u2581world" alone is "world"); logprobs spell tokens from their bytes, so
+    `tokens` join into the text and text_offset counts its spaces, as vLLM's
+    incremental detokenization of each logprob token does."""
+    from spur.actors.engine.shell.detokenizer import token_bytes
+    from spur.actors.step import Logprobs
+    from spur.cluster import api_responses as rs
+
+    ids = sp_ids(sentencepiece, ["\u2581Hello", "\u2581world", "!", "\u2581The", "\u2581end"])
+    assert sentencepiece.decode(ids[1:2]) == "world"  # the decoder's own spelling
+    strs = rs.token_strings(token_bytes(sentencepiece))
+    lp = rs.completion_logprobs(ids, [Logprobs(-1.0, [])] * len(ids), strs, num_top=0)
+    assert lp["tokens"] == [" Hello", " world", "!", " The", " end"]
+    assert lp["text_offset"] == [0, 6, 12, 13, 17]
