@@ -224,6 +224,26 @@ class _Request(_TopLevel):
     """Separates this request's prefix-cache entries from others'; carried in `extra`."""
     prompt_logprobs: Int | None = None
     """vLLM's extra; not supported (refused rather than ignored)."""
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+    """vLLM's extra: keep only the prompt's last k tokens (after tokenizing, and for chat
+    after templating); -1 keeps max_model_len's worth. See `truncate`."""
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _some_prompt_left(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("0 would leave no prompt: give k >= 1, or -1 for max_model_len")
+        return value
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """`ids` cut to their last `truncate_prompt_tokens` tokens (-1: max_model_len),
+        as vLLM keeps them; unchanged when it is unset or they are fewer."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = max_model_len
+        return ids[len(ids) - keep :] if len(ids) > keep else ids
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -559,20 +579,24 @@ def _check_chat_options(
             ("continue_final_message",),
             "cannot be combined with add_generation_prompt=true: set one of them to false",
         )
-    if continue_final_message and messages[-1].role != "assistant":
-        raise FieldError(
-            ("continue_final_message",), "needs the last message to be the assistant's"
-        )
 
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_TOKEN_ID = 2**31 - 1
+"""No vocabulary comes near it; larger ids are refused here, before the prompt's block
+hashes (32-bit words) are made, so that they get a 400 like any id past the model's
+vocabulary, which the engine refuses."""
+
+
 def _check_token_ids(ids: list[Any], path: tuple[int | str, ...]) -> None:
     for i, t in enumerate(ids):
-        if not _is_token_id(t) or t < 0:
-            raise FieldError((*path, i), f"token ids must be integers >= 0, got {t!r}")
+        if not _is_token_id(t) or not 0 <= t <= MAX_TOKEN_ID:
+            raise FieldError(
+                (*path, i), f"token ids must be integers in [0, {MAX_TOKEN_ID}], got {t!r}"
+            )
 
 
 class TokenizeRequest(_TopLevel):

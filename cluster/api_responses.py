@@ -108,15 +108,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def tokenize_response(
     tokens: Sequence[int], max_model_len: int, token_strs: Sequence[str] | None = None
 ) -> dict[str, Any]:
-    """{count, max_model_len, tokens[, token_strs]} (vLLM's /tokenize answer)."""
-    out: dict[str, Any] = {
+    """{count, max_model_len, tokens, token_strs} (vLLM's /tokenize answer; token_strs
+    is null unless asked for, as vLLM's model dumps it)."""
+    return {
         "count": len(tokens),
         "max_model_len": max_model_len,
         "tokens": list(tokens),
+        "token_strs": None if token_strs is None else list(token_strs),
     }
-    if token_strs is not None:
-        out["token_strs"] = list(token_strs)
-    return out
 
 
 def detokenize_response(prompt: str) -> dict[str, Any]:

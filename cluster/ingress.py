@@ -590,9 +590,12 @@ class Ingress:
             )
         model, lane = await self._lane(req.model)
         prompts = [
-            await self._off_loop(self._encode, lane, p, req.add_special_tokens)
-            if isinstance(p, str)
-            else list(p)
+            req.truncate(
+                await self._off_loop(self._encode, lane, p, req.add_special_tokens)
+                if isinstance(p, str)
+                else list(p),
+                lane.max_model_len,
+            )
             for p in texts
         ]
         longest = max(len(p) for p in prompts)
@@ -625,7 +628,7 @@ class Ingress:
         req = rq.parse_request(rq.ChatCompletionRequest, await self._body(request))
         self._note_unknown(req.unknown_fields)
         model, lane = await self._lane(req.model)
-        ids = await self._chat_ids(lane, req)
+        ids = req.truncate(await self._chat_ids(lane, req), lane.max_model_len)
         req.check_room(len(ids), lane.max_model_len)
         params = req.to_sampling_params(
             default_max_tokens=max(1, lane.max_model_len - len(ids)),

@@ -603,10 +603,14 @@ BAD_REQUESTS = [
     ("completions", {"prompt": ""}, "prompt", "empty"),
     ("completions", {"prompt": []}, "prompt", "empty"),
     ("completions", {"prompt": 3}, "prompt", "token ids"),
-    ("completions", {"prompt": [1, -1]}, "prompt[1]", ">= 0"),
+    ("completions", {"prompt": [1, -1]}, "prompt[1]", "in [0, 2147483647]"),
+    # past 32 bits the prompt's block hashes could not be made: a 400, not a 500
+    ("completions", {"prompt": [[1], [2, 2**32]]}, "prompt[1][1]", "in [0, 2147483647]"),
     ("completions", {"prompt": [[1], []]}, "prompt[1]", "empty"),
     ("completions", {"prompt": [1, True]}, "prompt", "must be a string"),
     ("completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+    ("chat", chat_body(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "-1"),
     ("completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
     ("completions", {"prompt": "x", "best_of": 2}, "best_of", "equal to n"),
     ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "5"),
@@ -706,7 +710,12 @@ def test_tokenize_and_detokenize() -> None:
     for body in ({}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}):
         with pytest.raises(ProtocolError, match="exactly one of prompt or messages"):
             rq.parse_request(rq.TokenizeRequest, body)
-    assert rs.tokenize_response([1, 2], 64) == {"count": 2, "max_model_len": 64, "tokens": [1, 2]}
+    assert rs.tokenize_response([1, 2], 64) == {
+        "count": 2,
+        "max_model_len": 64,
+        "tokens": [1, 2],
+        "token_strs": None,  # vLLM's model dump carries it, null unless asked for
+    }
     d = rq.parse_request(rq.DetokenizeRequest, {"tokens": [1, 2]})
     assert d.tokens == [1, 2] and rs.detokenize_response("ab") == {"prompt": "ab"}
     with pytest.raises(ProtocolError) as info:

@@ -47,10 +47,6 @@ def render_chat(
             "continue_final_message cannot be combined with add_generation_prompt=true: "
             "set one of them to false"
         )
-    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
-        raise ChatTemplateError(
-            "continue_final_message needs the last message to be the assistant's"
-        )
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "the model has no chat template: use /v1/completions with a prompt you format "
@@ -73,6 +69,13 @@ def render_chat(
         ) from None
     if not isinstance(text, str):  # pragma: no cover - tokenize=False returns text
         raise ChatTemplateError("the chat template did not produce text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # the messages are checked: a kwarg's string
+        raise ChatTemplateError(
+            f"the chat template's text holds {text[exc.start : exc.end]!r}, which is not "
+            "UTF-8 (a lone surrogate): send valid text in chat_template_kwargs"
+        ) from None
     return text
 
 

@@ -334,6 +334,23 @@ def test_null_max_tokens_is_each_prompts_own_room(http: Any) -> None:
     assert r.json()["usage"]["completion_tokens"] == 40 + 8
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http: Any) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens of each prompt (for chat, of the
+    templated one); -1 keeps max_model_len's worth, which leaves no room for output."""
+    ids = [100 + i for i in range(20)]
+    body = {"model": MODEL, "max_tokens": 2, **IGNORE_EOS, "truncate_prompt_tokens": 5}
+    r = http.post("/v1/completions", json={**body, "prompt": [ids, ids[:3]]})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5 + 3, r.text
+    chat = {**body, "messages": [{"role": "user", "content": "Say something long. " * 5}]}
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+    limit = tokenize(http, prompt="x")["max_model_len"]
+    long = {**body, "truncate_prompt_tokens": -1, "prompt": [100] * (limit + 10)}
+    r = http.post("/v1/completions", json=long)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"prompt has {limit:,} tokens" in r.json()["error"]["message"]
+
+
 def test_request_bounds(http: Any) -> None:
     """server.requests: more prompts than max_prompts is a 400; a body beyond
     max_body_bytes a 413; both with OpenAI's error body."""
@@ -375,9 +392,14 @@ def test_chat_template_options_are_applied(openai_client: Any, http: Any) -> Non
         extra_body={**IGNORE_EOS, "add_generation_prompt": False, "continue_final_message": True},
     )
     assert out.usage.prompt_tokens == cont["count"]
+    # any role's last message can be left open, as in vLLM; both options at once cannot
+    opened = tokenize(
+        http, messages=first, add_generation_prompt=False, continue_final_message=True
+    )
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": opened["tokens"]}).json()
+    assert text["prompt"].endswith("Hi")
     r = http.post(
         "/v1/chat/completions",
-        json={"model": MODEL, "messages": first, "continue_final_message": True,
-              "add_generation_prompt": False},
-    )  # fmt: skip
+        json={"model": MODEL, "messages": first, "continue_final_message": True},
+    )  # add_generation_prompt defaults to true
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
