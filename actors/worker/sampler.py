@@ -35,7 +35,8 @@ Processing order, each step applied only to the rows that use it:
 
 Logprobs are those of the model's raw distribution (log_softmax of the unprocessed
 logits), as vLLM returns by default: what the model believes, independent of the
-sampling knobs. The rank is 1 + the number of tokens with a strictly larger logprob.
+sampling knobs. The rank is the number of tokens whose logprob is at least the sampled
+one's (vLLM's `batched_count_greater_than`: a token tied with others ranks last of them).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class TokenLogprobs(NamedTuple):
     top: list[tuple[int, float]]
     """The top-N (token id, logprob) pairs, most likely first; empty when N = 0."""
     rank: int
-    """1 + number of tokens with a strictly larger logprob than the sampled one."""
+    """Tokens whose logprob is at least the sampled one's (1 for a unique top token;
+    ties rank last among themselves, as in vLLM)."""
 
 
 @dataclass
@@ -386,7 +388,7 @@ def _fill_logprobs(
     assert req is not None
     chosen = sampled if req.rows is None else sampled[req.rows]  # [L]
     chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1))  # [L, 1]
-    ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1  # [L]
+    ranks = (raw_logprobs >= chosen_lp).sum(dim=-1)  # [L]
     if req.max_num > 0:
         top_lp, top_ids = raw_logprobs.topk(req.max_num, dim=-1)  # [L, max_num], descending
         top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()

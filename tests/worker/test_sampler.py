@@ -368,7 +368,7 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n() -> None:
     assert [t for t, _ in a.top] == expected_ids.tolist()
     assert [lp for _, lp in a.top] == pytest.approx(expected_lp.tolist(), abs=1e-6)
     assert all(x[1] >= y[1] for x, y in zip(a.top, a.top[1:], strict=False))
-    assert a.rank == int((raw[0] > raw[0, sampled[0]]).sum()) + 1
+    assert a.rank == int((raw[0] >= raw[0, sampled[0]]).sum())
     assert sampled[0] in expected_ids[:4].tolist()  # top_k=4 held
 
     c = out.logprobs[2]
@@ -442,3 +442,13 @@ def test_a_seeded_request_samples_the_same_whether_or_not_a_neighbour_drafts() -
         return out
 
     assert run(neighbour_drafts=True) == run(neighbour_drafts=False)
+
+
+def test_a_token_tied_with_others_ranks_last_of_them() -> None:
+    """vLLM's rank counts the tokens whose logprob is at least the sampled one's: the
+    greedy pick among two tied top tokens has rank 2, as vLLM reports it."""
+    state = _state(4, seed=0)
+    state.add_request("t", SamplingParams(temperature=0.0, logprobs=1), [1], None)
+    out = Sampler()(torch.tensor([[2.0, 2.0, 0.0, -1.0]]), state.build(["t"]))
+    (lp,) = out.logprobs
+    assert out.sampled_token_ids.tolist() == [0] and lp is not None and lp.rank == 2
