@@ -7,9 +7,10 @@ processes for TP>1) and drives its step loop until the prompts are done.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
@@ -24,6 +25,8 @@ from spur.actors.step import SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+"""Text, or token ids. `generate` also takes vLLM's prompt dicts: {"prompt": text} and
+{"prompt_token_ids": ids} (`TextPrompt`, `TokensPrompt`)."""
 
 
 class LLM:
@@ -60,6 +63,8 @@ class LLM:
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self.last_run_stats: dict[str, Any] = {}
+        self._busy = False  # a generate / chat / stream is running (one at a time)
+        self._closed = False
 
     # -- tokenizer ----------------------------------------------------------------------
     @property
@@ -87,6 +92,10 @@ class LLM:
                 )
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return list(prompt)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer, or None (vLLM's `LLM.get_tokenizer`)."""
+        return self.tokenizer
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat, with the tokenizer's chat template (ending with the
@@ -149,21 +158,42 @@ class LLM:
             "step_times": self.executor.collective_rpc("step_times")[0],
         }
 
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Marks a generate / chat / stream as running. Each call collects only its own
+        requests' outputs while it steps the shared engine, so a second one started
+        before the first ends would lose tokens: it is refused instead."""
+        if self._closed:
+            raise RuntimeError("this LLM was shut down: create a new LLM")
+        if self._busy:
+            raise RuntimeError(
+                "this LLM is already running a generate or stream (a stream not read to its "
+                "end, or a call from inside its loop): finish or close it first; an LLM runs "
+                "one call at a time"
+            )
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order.
 
-        `prompts`: text(s) or token-id list(s). Raises RequestRejected (a
-        ValueError naming the fix) for a prompt that can never run, before any
-        prompt starts.
+        `prompts`: one prompt or a list of them, each text, token ids, or a vLLM prompt
+        dict ({"prompt": text} or {"prompt_token_ids": ids}). `use_tqdm`: a progress
+        bar on stderr (vLLM's keyword; off by default here). Raises RequestRejected (a
+        ValueError naming the fix) for a prompt that can never run, before any prompt
+        starts; ValueError for a prompt of another form; RuntimeError while another
+        call of this LLM runs, or after `shutdown`.
         """
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        )
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        batch = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (
@@ -173,32 +203,75 @@ class LLM:
         )
         if len(params) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params)} sampling params")
-        processor = OutputProcessor(self.tokenizer)
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(batch, params, strict=True):
-                ids.append(self._add(prompt, p, processor))
-            results = {rid: processor.requests[rid].output for rid in ids}
-            for _ in self._run(processor):
-                pass
-        except BaseException:  # a refused prompt, an interrupt: leave nothing behind
-            self.scheduler.abort_requests(ids)
-            raise
+        with self._one_call():
+            processor = OutputProcessor(self.tokenizer)
+            ids: list[str] = []
+            try:
+                for prompt, p in zip(batch, params, strict=True):
+                    ids.append(self._add(prompt, p, processor))
+                results = {rid: processor.requests[rid].output for rid in ids}
+                bar = _progress(len(ids)) if use_tqdm else None
+                for _ in self._run(processor):
+                    if bar is not None:
+                        bar.update(sum(o.finished for o in results.values()) - bar.n)
+                if bar is not None:
+                    bar.close()
+            except BaseException:  # a refused prompt, an interrupt: leave nothing behind
+                self.scheduler.abort_requests(ids)
+                raise
         return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"}) or a list
+        of them, through the tokenizer's chat template, then `generate`. Raises
+        ValueError (ChatTemplateError) when the model has no template or it refuses."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.info.model_dir} has no tokenizer: chat needs one")
+        many = bool(messages) and not isinstance(messages[0], Mapping)
+        conversations = list(messages) if many else [messages]
+        prompts = [
+            chat_token_ids(
+                self.tokenizer,
+                [dict(m) for m in conversation],  # type: ignore[union-attr]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[Delta]:
-        """Yield text deltas of one prompt as they are produced (for the CLI)."""
-        processor = OutputProcessor(self.tokenizer)
-        rid = self._add(prompt, sampling_params or self.get_default_sampling_params(), processor)
-        try:
-            for deltas in self._run(processor):
-                yield from deltas
-        finally:  # a caller that stops reading (or an interrupt) aborts the request
-            self.scheduler.abort_requests(rid)
+        """Yield text deltas of one prompt as they are produced (for the CLI). The LLM
+        runs nothing else until the stream is read to its end or closed."""
+        batch = prompt_list(prompt)
+        if len(batch) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(batch)}: use generate for several")
+        (one,) = batch
+        with self._one_call():
+            processor = OutputProcessor(self.tokenizer)
+            params = sampling_params or self.get_default_sampling_params()
+            rid = self._add(one, params, processor)
+            try:
+                for deltas in self._run(processor):
+                    yield from deltas
+            finally:  # a caller that stops reading (or an interrupt) aborts the request
+                self.scheduler.abort_requests(rid)
 
     def shutdown(self) -> None:
+        """Stop the workers (idempotent); later calls raise RuntimeError."""
+        self._closed = True
         self.executor.shutdown()
 
     def __enter__(self) -> LLM:
@@ -206,3 +279,48 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def prompt_list(prompts: Any) -> list[Prompt]:
+    """`generate`'s prompts as a list of text or token ids: one prompt (text, ids, or a
+    vLLM prompt dict) or a sequence of them. Raises ValueError naming the forms for
+    anything else (a dict used to become its keys, run as text)."""
+    if isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, list) and prompts and _is_id(prompts[0])
+    ):
+        return [_one_prompt(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        return [_one_prompt(p) for p in prompts]
+    return [_one_prompt(prompts)]
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_prompt(prompt: Any) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        ids = prompt.get("prompt_token_ids")
+        if keys == {"prompt_token_ids"} and isinstance(ids, list) and all(map(_is_id, ids)):
+            return list(ids)
+        raise ValueError(
+            f"a prompt dict with keys {sorted(map(str, keys))}: give {{'prompt': text}} or "
+            "{'prompt_token_ids': [ids]} (no other keys: multimodal data is not supported)"
+        )
+    if isinstance(prompt, list) and all(map(_is_id, prompt)):
+        return list(prompt)
+    raise ValueError(
+        f"a prompt of type {type(prompt).__name__}: give text, a list of token ids, or "
+        "{'prompt': text} / {'prompt_token_ids': [ids]}"
+    )
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")

@@ -338,3 +338,85 @@ def test_a_failover_continuation_samples_as_the_unbroken_request(tiny_model_dir)
             assert stitched == full, cases[i]
     finally:
         llm.shutdown()
+
+
+def _word_tokenizer_model(tiny_model_dir, tmp_path) -> Path:
+    """A copy of the tiny Llama with a word-level tokenizer ("t5 t6" -> [5, 6]) and a
+    chat template that joins the messages' contents."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "worded"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}t9"
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_vllm_prompt_forms_chat_and_cumulative_logprobs(tiny_model_dir, tmp_path):
+    """As vLLM's LLM: prompt dicts ({"prompt"}, {"prompt_token_ids"}) alone or in a list
+    (a dict used to be taken as its keys, run as text), `chat` on one conversation or
+    several, `get_tokenizer`, and `cumulative_logprob` (None unless logprobs asked)."""
+    llm = LLM(str(_word_tokenizer_model(tiny_model_dir, tmp_path)), num_kv_blocks=64, block_size=4)
+    try:
+        ids = [5, 6, 7, 8]
+
+        def tokens(outs) -> list[list[int]]:
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        plain = tokens(llm.generate([ids], GREEDY))
+        assert tokens(llm.generate({"prompt_token_ids": ids}, GREEDY)) == plain
+        assert tokens(llm.generate([{"prompt_token_ids": ids}, ids], GREEDY)) == plain * 2
+        assert tokens(llm.generate({"prompt": "t5 t6 t7 t8"}, GREEDY)) == plain
+        for bad, words in [
+            ({"prompt_token_ids": ids, "multi_modal_data": {}}, "no other keys"),
+            ((5, 6), "type int"),
+            ([ids, 3.5], "type float"),
+        ]:
+            with pytest.raises(ValueError, match=words):
+                llm.generate(bad, GREEDY)
+        assert llm.get_tokenizer() is llm.tokenizer
+        chat = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}]
+        (one,) = llm.chat(chat, GREEDY)
+        assert one.prompt_token_ids == [5, 6, 7, 9]
+        assert tokens(llm.chat([chat, chat[:1]], GREEDY, use_tqdm=True))[0] == tokens([one])[0]
+        (scored,) = llm.generate([ids], GREEDY.with_changes(logprobs=0))
+        c = scored.outputs[0]
+        assert c.cumulative_logprob == pytest.approx(sum(lp.sampled for lp in c.logprobs))
+        assert llm.generate([ids], GREEDY)[0].outputs[0].cumulative_logprob is None
+        llm.scheduler.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_one_call_at_a_time_and_none_after_shutdown(tiny_model_dir):
+    """Each call collects only its own requests' outputs while it steps the shared
+    engine: a call started while a stream is open lost tokens (both lost them); it is
+    refused, and the engine serves again once the stream ends. After shutdown, every
+    call is refused with the fix (with TP > 1 it was a bare IndexError)."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)
+    prompt = make_prompts(1, seed=9)[0]
+    (alone,) = llm.generate([prompt], GREEDY)
+    stream = llm.stream(prompt, GREEDY)
+    first = next(stream)
+    with pytest.raises(RuntimeError, match="one call at a time"):
+        llm.generate([prompt], GREEDY)
+    with pytest.raises(RuntimeError, match="one call at a time"):
+        next(llm.stream(prompt, GREEDY))
+    rest = list(stream)
+    assert [t for d in [first, *rest] for t in d.token_ids] == alone.outputs[0].token_ids
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    llm.scheduler.check_integrity()
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down: create a new LLM"):
+        llm.generate([prompt], GREEDY)

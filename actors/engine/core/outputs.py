@@ -66,6 +66,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string hit
     logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
+    """The sum of the sampled tokens' logprobs (vLLM's field); None unless the request
+    asked for logprobs."""
     num_draft_tokens: int = 0  # speculative decoding: drafts verified so far
     num_accepted_tokens: int = 0  # ... and kept
 

@@ -165,6 +165,9 @@ class OutputProcessor:
             comp.num_accepted_tokens = eo.num_accepted_tokens
             if new_logprobs:
                 comp.logprobs = (comp.logprobs or []) + new_logprobs
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
+                    lp.sampled for lp in new_logprobs
+                )
             comp.finish_reason = finish_reason
             comp.stop_reason = stop_reason
             update.deltas.append(
