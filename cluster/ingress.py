@@ -452,11 +452,11 @@ class Ingress:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
 
     async def _admit(
-        self, principal: Principal | None, prompt_tokens: int
+        self, principal: Principal | None, prompt_tokens: int, max_completion_tokens: int = 0
     ) -> tuple[Any, int | None]:
-        """Take a lease of the key's limits for this request (429 when over one).
-        Returns (limits actor, lease id) to release, or (None, None) when the key
-        has no limits."""
+        """Take a lease of the key's limits for this request (429 when over one), its
+        prompt and its completion's maximum charged (`LimitBook.admit`). Returns
+        (limits actor, lease id) to release, or (None, None) when the key has no limits."""
         if principal is None or not principal.limited:
             return None, None
         if self.limits is None:
@@ -471,6 +471,7 @@ class Ingress:
                     principal.max_concurrent_requests,
                     principal.tokens_per_minute,
                     prompt_tokens,
+                    max_completion_tokens,
                 )
             )
         )
@@ -662,7 +663,8 @@ class Ingress:
         salt = params.extra.get("cache_salt")
         salt = request_salt(principal, self.guard.enabled, salt)  # tenants never share
         prompt_tokens = sum(len(p) for p in prompts)
-        limits, lease = await self._admit(principal, prompt_tokens)
+        most = sum(max_tokens_each) if max_tokens_each else params.max_tokens * len(prompts)
+        limits, lease = await self._admit(principal, prompt_tokens, most * params.n)
         payloads = [
             {
                 "request_id": f"{rid}-{i}",

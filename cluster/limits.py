@@ -7,9 +7,13 @@ requests and tokens (prompt + completion) per minute.
 
 The state lives in one Ray actor (as the KV index does), so limits hold however
 many ingress replicas there are. `LimitBook` is the pure bookkeeping (unit
-tested without Ray); `LimitsActor` is its thin shell. Tokens are charged when
-they are known: the prompt at admission, the completion at release; a window
-is the last 60 seconds. A lease that is never released (its ingress died)
+tested without Ray); `LimitsActor` is its thin shell. A request is admitted when its
+prompt plus the completion it may still generate (its max tokens, all choices and
+prompts; at most what the budget leaves after the prompt) fits the key's window, and
+that much is charged at once, so that concurrent requests cannot overrun the budget
+before any of them is billed (OpenAI's limiter counts max_tokens too). At release the
+reservation is taken back and the completion's real tokens are charged; a window is
+the last 60 seconds. A lease that is never released (its ingress died)
 expires after `lease_ttl_s`, so a lost replica cannot pin a key's concurrency.
 The actor restarts if it dies; counts then start from zero (a brief window of
 leniency, never a lock-out). Lease ids start at a random number in each actor's
@@ -33,10 +37,19 @@ LIMITS_NAME = "spur-limits"
 LIMITS_NAMESPACE = "spur"
 
 
+class _Charge:
+    """Tokens charged at `time`; `live` until the window drops it."""
+
+    __slots__ = ("live", "time", "tokens")
+
+    def __init__(self, time: float, tokens: int) -> None:
+        self.time, self.tokens, self.live = time, tokens, True
+
+
 @dataclass
 class _KeyState:
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> expiry time
-    tokens: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    tokens: collections.deque[_Charge] = field(default_factory=collections.deque)
     tokens_sum: int = 0
 
 
@@ -54,14 +67,19 @@ class LimitBook:
         # Unique across the actor's restarts, so an old lease never names a new one.
         self._ids = itertools.count(secrets.randbits(62))
         self.refused: collections.Counter[str] = collections.Counter()
+        # lease id -> (its admission charge, the completion tokens reserved in it)
+        self.reserved: dict[int, tuple[_Charge, int]] = {}
 
     def _state(self, key_id: str, now: float) -> _KeyState:
         st = self.keys.setdefault(key_id, _KeyState())
-        while st.tokens and st.tokens[0][0] <= now - WINDOW_S:
-            st.tokens_sum -= st.tokens.popleft()[1]
+        while st.tokens and st.tokens[0].time <= now - WINDOW_S:
+            gone = st.tokens.popleft()
+            gone.live = False
+            st.tokens_sum -= gone.tokens
         for lease in [k for k, v in st.leases.items() if v <= now]:
             del st.leases[lease]
             self.lease_owner.pop(lease, None)
+            self.reserved.pop(lease, None)  # charged until the window drops it
         return st
 
     def admit(
@@ -70,11 +88,14 @@ class LimitBook:
         max_concurrent: int | None,
         tokens_per_minute: int | None,
         prompt_tokens: int,
+        max_completion_tokens: int = 0,
     ) -> dict[str, Any]:
-        """Take a lease for one request of `prompt_tokens`, or refuse it.
+        """Take a lease for one request of `prompt_tokens` that may generate up to
+        `max_completion_tokens`, or refuse it.
 
-        Returns {"lease": int} (the prompt's tokens are charged now), or
-        {"retry_after_s": float, "reason": "concurrency" | "tokens"} with nothing
+        Returns {"lease": int}: the prompt and the reservation (the completion's
+        maximum, at most what the budget leaves after the prompt) are charged now.
+        Or {"retry_after_s": float, "reason": "concurrency" | "tokens"} with nothing
         charged. A prompt larger than the whole per-minute budget is refused with
         "reason": "too_large" (it can never be admitted)."""
         now = self.clock()
@@ -82,17 +103,19 @@ class LimitBook:
         if max_concurrent is not None and len(st.leases) >= max_concurrent:
             self.refused["concurrency"] += 1
             return {"retry_after_s": 1.0, "reason": "concurrency"}
+        reserve = 0
         if tokens_per_minute is not None:
             if prompt_tokens > tokens_per_minute:
                 self.refused["too_large"] += 1
                 return {"retry_after_s": math.inf, "reason": "too_large"}
-            if st.tokens_sum + prompt_tokens > tokens_per_minute:
+            reserve = max(0, min(max_completion_tokens, tokens_per_minute - prompt_tokens))
+            if st.tokens_sum + prompt_tokens + reserve > tokens_per_minute:
                 # Wait until enough of the oldest charges leave the window.
-                need = st.tokens_sum + prompt_tokens - tokens_per_minute
+                need = st.tokens_sum + prompt_tokens + reserve - tokens_per_minute
                 freed, when = 0, now
-                for t, n in st.tokens:
-                    freed += n
-                    when = t + WINDOW_S
+                for charge in st.tokens:
+                    freed += charge.tokens
+                    when = charge.time + WINDOW_S
                     if freed >= need:
                         break
                 self.refused["tokens"] += 1
@@ -100,41 +123,56 @@ class LimitBook:
         lease = next(self._ids)
         st.leases[lease] = now + self.lease_ttl_s
         self.lease_owner[lease] = key_id
-        self._charge(st, now, prompt_tokens)
+        charge = self._charge(st, now, prompt_tokens + reserve)
+        if reserve and charge is not None:
+            self.reserved[lease] = (charge, reserve)
         return {"lease": lease}
 
     def release(self, key_id: str, lease: int, completion_tokens: int = 0) -> None:
-        """End `key_id`'s lease and charge the completion's tokens to the key. The tokens
-        are charged even when the lease is no longer known (it expired, or was taken
-        before the actor restarted); a lease that is not the key's is left alone."""
+        """End `key_id`'s lease: take back its reservation (while the window still
+        holds it) and charge the completion's tokens to the key. The tokens are charged
+        even when the lease is no longer known (it expired, or was taken before the
+        actor restarted); a lease that is not the key's is left alone."""
         owner = self.lease_owner.get(lease)
         now = self.clock()
         st = self._state(key_id, now)
         if owner == key_id:
             self.lease_owner.pop(lease, None)
             st.leases.pop(lease, None)
+            charge, reserve = self.reserved.pop(lease, (None, 0))
+            if charge is not None and charge.live:
+                charge.tokens -= reserve
+                st.tokens_sum -= reserve
         self._charge(st, now, completion_tokens)
 
     @staticmethod
-    def _charge(st: _KeyState, now: float, tokens: int) -> None:
-        if tokens > 0:
-            st.tokens.append((now, tokens))
-            st.tokens_sum += tokens
+    def _charge(st: _KeyState, now: float, tokens: int) -> _Charge | None:
+        if tokens <= 0:
+            return None
+        charge = _Charge(now, tokens)
+        st.tokens.append(charge)
+        st.tokens_sum += tokens
+        return charge
 
     def usage(self, key_id: str) -> dict[str, int]:
-        """{"in_flight", "tokens_last_minute"} of a key."""
+        """{"in_flight", "tokens_last_minute"} of a key (reservations included)."""
         st = self._state(key_id, self.clock())
         return {"in_flight": len(st.leases), "tokens_last_minute": st.tokens_sum}
 
     def check_integrity(self) -> None:
-        """Every lease has one owner and sits in that owner's state; sums match."""
+        """Every lease has one owner and sits in that owner's state; sums match; a
+        reservation belongs to a lease and is part of a charge that still holds it."""
         owned = 0
         for key_id, st in self.keys.items():
             for lease in st.leases:
                 assert self.lease_owner.get(lease) == key_id, (lease, key_id)
             owned += len(st.leases)
-            assert st.tokens_sum == sum(n for _, n in st.tokens), key_id
+            assert st.tokens_sum == sum(c.tokens for c in st.tokens), key_id
+            assert all(c.live and c.tokens >= 0 for c in st.tokens), key_id
         assert owned == len(self.lease_owner), (owned, len(self.lease_owner))
+        for lease, (charge, reserve) in self.reserved.items():
+            assert lease in self.lease_owner or not charge.live, lease
+            assert not charge.live or charge.tokens >= reserve, lease
 
 
 class LimitsActor:
@@ -149,8 +187,11 @@ class LimitsActor:
         max_concurrent: int | None,
         tokens_per_minute: int | None,
         prompt_tokens: int,
+        max_completion_tokens: int = 0,
     ) -> dict[str, Any]:
-        return self.book.admit(key_id, max_concurrent, tokens_per_minute, prompt_tokens)
+        return self.book.admit(
+            key_id, max_concurrent, tokens_per_minute, prompt_tokens, max_completion_tokens
+        )
 
     def release(self, key_id: str, lease: int, completion_tokens: int = 0) -> None:
         self.book.release(key_id, lease, completion_tokens)

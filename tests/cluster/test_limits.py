@@ -68,7 +68,9 @@ def test_random_sequences_keep_the_books_consistent() -> None:
             book.release(*held.pop(rng.randrange(len(held))), rng.randrange(50))
         else:
             key = f"k{rng.randrange(3)}"
-            answer = book.admit(key, rng.choice([None, 3]), rng.choice([None, 500]), 10)
+            answer = book.admit(
+                key, rng.choice([None, 3]), rng.choice([None, 500]), 10, rng.choice([0, 100])
+            )
             if "lease" in answer:
                 held.append((key, answer["lease"]))
         book.check_integrity()
@@ -105,3 +107,31 @@ def test_an_expired_lease_still_bills_its_tokens() -> None:
         book.release("k", lease, 500)
         assert book.usage("k") == {"in_flight": 0, "tokens_last_minute": 500}, touch
         book.check_integrity()
+
+
+def test_concurrent_requests_reserve_their_completion_at_admission() -> None:
+    """Charging only the prompt at admission let ten concurrent requests of 2 prompt
+    tokens and 1,000 max tokens all in under a 600-token budget (10,020 tokens in the
+    minute). Each now reserves its completion's maximum (at most what the budget
+    leaves after its prompt); the release takes the reservation back and bills what
+    was generated."""
+    clock = Clock()
+    book = LimitBook(clock=clock)
+    first = book.admit("k", None, 600, 2, 1000)
+    assert "lease" in first and book.usage("k")["tokens_last_minute"] == 600
+    assert book.admit("k", None, 600, 2, 1000)["reason"] == "tokens"
+    clock.t += 5
+    book.release("k", first["lease"], 40)  # it generated 40
+    assert book.usage("k")["tokens_last_minute"] == 2 + 40
+    small = [book.admit("k", None, 600, 2, 100) for _ in range(6)]
+    assert ["lease" in a for a in small] == [True] * 5 + [False]  # 42 + 5 * 102 <= 600
+    for a in small[:5]:
+        book.release("k", a["lease"], 100)
+    assert book.usage("k")["tokens_last_minute"] == 42 + 5 * 102
+    book.check_integrity()
+    # A reservation the window already dropped is not taken back twice.
+    late = book.admit("other", None, 600, 10, 300)
+    clock.t += WINDOW_S + 1
+    book.release("other", late["lease"], 250)
+    assert book.usage("other")["tokens_last_minute"] == 250
+    book.check_integrity()

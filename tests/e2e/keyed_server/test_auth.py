@@ -220,6 +220,23 @@ def test_tokens_per_minute_per_key(keyed_server: KeyedServer) -> None:
         assert error_of(too_big, 400)["code"] == "tokens_per_minute_exceeded"
 
 
+def test_a_request_in_flight_holds_its_completions_maximum(keyed_server: KeyedServer) -> None:
+    """burst: 500 a minute. A stream of 2 prompt tokens and max_tokens 400 in flight
+    holds 402 of them, so a second such request is refused at once: charging the
+    prompt alone let any number in before the first was billed."""
+    body = {"model": "tiny", "prompt": [1000, 1001], "max_tokens": 400, "ignore_eos": True}
+    with (
+        keyed_server.client("burst") as burst,
+        burst.stream("POST", "/v1/completions", json={**body, "stream": True}) as first,
+    ):
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # admitted and running
+        second = burst.post("/v1/completions", json={**body, "max_tokens": 200})
+        assert error_of(second, 429)["code"] == "tokens_per_minute_exceeded"
+        assert sum(1 for line in lines if line.startswith("data: {")) > 0
+
+
 def test_a_non_streamed_request_left_by_its_client_is_billed_what_it_generated(
     keyed_server: KeyedServer,
 ) -> None:
