@@ -112,6 +112,27 @@ def _positive(value: Any, where: str, field: str) -> int | None:
     return value
 
 
+def _unknown_fields(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """How an error names unknown field names without ever quoting a key: a file
+    written as `sk-...: alice` has its keys as field names. A name close to a known
+    field (a typo) is named with its correction; the others are only counted."""
+    import difflib
+
+    typos = {
+        name: close[0]
+        for name in unknown
+        if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.8))
+    }
+    parts = [f"unknown field {name!r} (did you mean {fix!r}?)" for name, fix in typos.items()]
+    others = len(unknown) - len(typos)
+    if others:
+        parts.append(
+            f"{others} unknown field name(s), not shown (one may be a key written as a "
+            "field: write entries as {key: ..., name: ...})"
+        )
+    return "; ".join(parts)
+
+
 def parse_keys(text: str, source: str) -> list[KeyEntry]:
     """The entries of a keys file's text (YAML or JSON): a mapping {"keys": [...]}
     or a bare list; an entry is a key string or a mapping with `key` (or
@@ -133,7 +154,9 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
     if isinstance(data, Mapping):
         unknown = sorted(set(map(str, data)) - {"keys"})
         if unknown:
-            raise AuthConfigError(f"{source}: unknown top-level field(s) {unknown}; only 'keys'")
+            raise AuthConfigError(
+                f"{source}: {_unknown_fields(unknown, ('keys',))} at the top level; only 'keys'"
+            )
         data = data.get("keys")
     if not isinstance(data, list) or not data:
         raise AuthConfigError(
@@ -150,7 +173,9 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
             raise AuthConfigError(f"{where}: must be a key string or a mapping")
         unknown = sorted(set(map(str, item)) - set(ENTRY_FIELDS))
         if unknown:
-            raise AuthConfigError(f"{where}: unknown field(s) {unknown}; known: {ENTRY_FIELDS}")
+            raise AuthConfigError(
+                f"{where}: {_unknown_fields(unknown, ENTRY_FIELDS)}; known: {ENTRY_FIELDS}"
+            )
         key, hexdigest = item.get("key"), item.get("key_sha256")
         if (key is None) == (hexdigest is None):
             raise AuthConfigError(f"{where}: give exactly one of 'key' and 'key_sha256'")

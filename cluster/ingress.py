@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spur.actors.engine.core.outputs import CompletionOutput, RequestOutput
 from spur.actors.engine.shell.chat_template import ChatTemplateError, chat_token_ids
@@ -220,6 +221,25 @@ def _error_response(exc: ProtocolError) -> Response:
     if exc.code:  # read (and removed) by the metrics middleware
         headers[ERROR_CODE_HEADER.decode()] = exc.code
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers or None)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Starlette's own refusals (an unknown path, a wrong method) in OpenAI's error
+    body, with a code, as every other answer of the API: not {"detail": ...}."""
+    method, path = request.method, request.url.path
+    message = {
+        404: f"Invalid URL ({method} {path}): no such route",
+        405: f"Method not allowed ({method} {path})",
+    }.get(exc.status_code, str(exc.detail))
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    response = _error_response(ProtocolError(exc.status_code, message, code=code))
+    for name, value in (exc.headers or {}).items():  # Allow on a 405
+        response.headers[name] = value
+    return response
 
 
 @serve.ingress(app)

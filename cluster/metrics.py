@@ -144,21 +144,23 @@ def route_of(path: str) -> str:
 class CountingMiddleware:
     """Pure ASGI middleware (no per-chunk cost on streams): counts every HTTP
     answer by route and status, and error answers by their OpenAI code, into
-    `HTTP`; off while `HTTP.enabled` is False (server.metrics: false)."""
+    `HTTP`; counting is off while `HTTP.enabled` is False (server.metrics: false).
+    Either way it removes the internal error-code header (`ERROR_CODE_HEADER`), which
+    never reaches a client."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not HTTP.enabled:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         route = route_of(scope.get("path", ""))
+        counting = HTTP.enabled
 
         async def counting_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                HTTP.observe(route, status)
                 headers = message.get("headers") or []
                 code = next((v for k, v in headers if k == ERROR_CODE_HEADER), None)
                 if code is not None:
@@ -166,8 +168,10 @@ class CountingMiddleware:
                         **message,
                         "headers": [h for h in headers if h[0] != ERROR_CODE_HEADER],
                     }
-                if status >= 400:
-                    HTTP.error(route, status, code.decode() if code else None)
+                if counting:
+                    HTTP.observe(route, status)
+                    if status >= 400:
+                        HTTP.error(route, status, code.decode() if code else None)
             await send(message)
 
         await self.app(scope, receive, counting_send)

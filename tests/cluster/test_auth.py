@@ -59,7 +59,10 @@ def test_keys_are_kept_as_digests_only() -> None:
         # a header arrives as bytes decoded latin-1: such a key could never match
         ('keys: [{key: "sk-clé-secrète-1"}]', "at least 8 printable ASCII characters"),
         ("keys: [{key: sk-aaaaaaaa, key_sha256: ab}]", "exactly one of"),
-        ("keys: [{key: sk-aaaaaaaa, tenantt: x}]", "unknown field(s) ['tenantt']"),
+        ("keys: [{key: sk-aaaaaaaa, tenantt: x}]", "'tenantt' (did you mean 'tenant'?)"),
+        # keys written as field names: counted, never quoted
+        ("{sk-aaaaaaaa: alice}", "1 unknown field name(s), not shown"),
+        ("keys: [{sk-aaaaaaaa: {name: alice}}]", "1 unknown field name(s), not shown"),
         ("keys: [sk-aaaaaaaa, sk-aaaaaaaa]", "the same key as keys[0]"),
         ("keys: [{key: sk-aaaaaaaa, admin: yes-please}]", "admin: must be true or false"),
         ("keys: [{key: sk-aaaaaaaa, tokens_per_minute: 0}]", "tokens_per_minute: must be"),
@@ -216,6 +219,9 @@ def test_a_refused_key_is_counted_with_its_error_code() -> None:
         sent = asyncio.run(call([]))
         sent += asyncio.run(call([(b"authorization", b"Bearer sk-nobody-000000000")]))
         errors = {k: n for k, n in M.HTTP.errors.items() if n}
+        M.HTTP.enabled = False  # server.metrics: false counts nothing, still strips it
+        sent += asyncio.run(call([]))
+        assert sum(M.HTTP.errors.values()) == 2
     finally:
         install_guard(None)
         M.HTTP = saved
@@ -224,6 +230,7 @@ def test_a_refused_key_is_counted_with_its_error_code() -> None:
         ("/v1/completions", "401", "invalid_api_key"): 1,
     }
     starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert len(starts) == 3
     assert all(M.ERROR_CODE_HEADER not in dict(m["headers"]) for m in starts)
 
 

@@ -351,6 +351,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http: Any) -> None
     assert f"prompt has {limit:,} tokens" in r.json()["error"]["message"]
 
 
+def test_unknown_routes_and_methods_answer_in_openai_errors(http: Any) -> None:
+    """Starlette's own 404 / 405 said {"detail": ...}: they now carry OpenAI's error
+    body with a code, as every other answer does."""
+    r = http.get("/v1/nonexistent")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    assert "GET /v1/nonexistent" in r.json()["error"]["message"]
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    assert "POST" in r.headers.get("allow", "")
+    assert "x-spur-error-code" not in r.headers
+
+
 def test_request_bounds(http: Any) -> None:
     """server.requests: more prompts than max_prompts is a 400; a body beyond
     max_body_bytes a 413; both with OpenAI's error body."""
