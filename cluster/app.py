@@ -11,6 +11,7 @@ lane's nodes) and, with TP > 1, for placement-group bundles on one node: bundle
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -164,6 +165,37 @@ def refuse_test_settings(lanes: list[LaneConfig | SpareConfig]) -> None:
             f"lanes {leaky} set engine.runtime.test_leak_blocks_per_step, a deliberately "
             "broken engine for tests only: remove it (tests set SPUR_ALLOW_TEST_SETTINGS=1)"
         )
+
+
+def refuse_speculation_on_state_models(lanes: list[LaneConfig | SpareConfig]) -> None:
+    """Raise ValueError for a lane that sets engine.speculative on a model with
+    recurrent-state layers, where this host can tell without loading it: a random demo
+    model of a hybrid preset, or a model folder here whose config.json says so. The
+    engine refuses it too (`Scheduler`), but only once Ray runs, three times over as
+    Serve retries the replica, ending in a deployment traceback."""
+    from spur.actors.engine.core.capacity import load_geometry
+    from spur.actors.worker.loader import RANDOM_MODELS
+
+    for lane in lanes:
+        if lane.engine.speculative is None:
+            continue
+        path = lane.engine.model.path
+        if str(path).lower() in RANDOM_MODELS:
+            hybrid = True  # every random demo model is a hybrid preset
+        elif (Path(path) / "config.json").is_file():
+            try:
+                geometry = load_geometry(path)
+            except (OSError, ValueError):
+                continue  # the engine says what is wrong with the folder
+            hybrid = any(k.spec.kind == "state" for k in geometry.kinds)
+        else:
+            continue  # a model this host cannot see (another node's storage)
+        if hybrid:
+            raise ValueError(
+                f"lane {lane.name!r}: speculative decoding is not supported for models with "
+                f"recurrent-state layers ({path} is a hybrid model): their states cannot be "
+                "rolled back past rejected drafts yet; unset engine.speculative for it"
+            )
 
 
 def build_app(config: SpurConfig) -> Application:

@@ -446,12 +446,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    from spur.cluster.app import refuse_test_settings
+    from spur.cluster.app import refuse_speculation_on_state_models, refuse_test_settings
     from spur.cluster.auth import AuthConfigError, is_loopback, load_keys
     from spur.cluster.server import run_server
 
     try:  # before Ray starts: a config error, not a traceback from the deployment
-        refuse_test_settings([*cfg.lanes, *([cfg.spare] if cfg.spare else [])])
+        every_lane = [*cfg.lanes, *([cfg.spare] if cfg.spare else [])]
+        refuse_test_settings(every_lane)
+        refuse_speculation_on_state_models(every_lane)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SPUR = [sys.executable, "-m", "spur.cluster.cli"]
 
 
@@ -164,3 +166,39 @@ def test_a_third_review_of_misuse_gets_clear_errors(tmp_path):
         res = run("generate", "--model", missing, "--tensor-parallel-size", tp, "--prompt", "hi")
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert "does not exist" in res.stderr and res.stderr.count("\n") <= 3, res.stderr
+
+
+def test_speculation_on_a_hybrid_model_is_refused_before_ray_starts(tmp_path):
+    """The engine refuses it too, but only once Ray runs: three replica builds and a
+    deployment traceback. By name (a random demo preset) and by a folder here."""
+    from spur.actors.worker.random_models import hf_config
+    from spur.cluster.app import refuse_speculation_on_state_models
+    from spur.configs.loader import parse_config
+
+    cfg = tmp_path / "spec.yaml"
+    cfg.write_text(
+        "lanes:\n  - name: chat\n    engine:\n      model: {path: hybrid-tiny}\n"
+        "      speculative: {num_speculative_tokens: 2}\n"
+    )
+    res = subprocess.run([*SPUR, "serve", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "speculative decoding is not supported" in res.stderr and "Traceback" not in res.stderr
+    folder = tmp_path / "hybrid"
+    hf_config("hybrid-tiny").save_pretrained(folder)
+    lanes = parse_config(
+        {
+            "lanes": [
+                {"name": "plain", "engine": {"model": {"path": str(folder)}}},
+                {
+                    "name": "drafting",
+                    "engine": {
+                        "model": {"path": str(folder)},
+                        "speculative": {"num_speculative_tokens": 2},
+                    },
+                },
+            ]
+        }
+    ).lanes
+    refuse_speculation_on_state_models(lanes[:1])  # no speculation: nothing to refuse
+    with pytest.raises(ValueError, match="lane 'drafting': speculative decoding"):
+        refuse_speculation_on_state_models(lanes)
