@@ -81,6 +81,8 @@ class KVIndexActor:
                 cleared=b.get("cleared", False),
                 stats=stats,
                 sent_at=b.get("time"),
+                state_stored=b.get("state_stored"),
+                state_removed=b.get("state_removed", ()),
             )
             if need:
                 break
@@ -157,8 +159,14 @@ class KVIndexActor:
             self.commands.setdefault(rid, []).append(command)
         return ids
 
-    def resync(self, replica_id: str, seq: int, hashes: list[BlockHash]) -> None:
-        self.index.resync(replica_id, seq, hashes)
+    def resync(
+        self,
+        replica_id: str,
+        seq: int,
+        hashes: list[BlockHash],
+        states: list[BlockHash] | None = None,
+    ) -> None:
+        self.index.resync(replica_id, seq, hashes, states)
 
     # -- routers ----------------------------------------------------------------------------
     def route(

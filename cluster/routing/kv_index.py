@@ -9,7 +9,8 @@ Batches must arrive in order (seq = last + 1). A gap (a lost batch, a restarted
 index) makes the replica "unsynced": `publish` answers `need_snapshot=True`, its
 events are ignored, and the engine sends `resync(replica, seq, hashes)` with every
 hash it holds as of batch `seq`; later batches apply on top. Routers read through
-`match` (longest consecutive prefix of a chain that a replica holds) and write
+`match` (longest consecutive prefix of a chain that a replica holds; for a model
+with recurrent-state layers, one that ends where it also holds the state) and write
 speculatively through `record` (a chain just routed there, so a burst with one
 prefix does not spread before real events land). Speculative hashes are kept apart
 and expire after `speculative_ttl_s`: the engine's own "stored" event makes one
@@ -70,6 +71,12 @@ class ReplicaState:
     routed_since_heartbeat: int = 0
     speculative: dict[BlockHash, float] = field(default_factory=dict)
     """Hashes recorded by routers, not yet confirmed by the engine -> expiry time."""
+    states: set[BlockHash] | None = None
+    """For a model with recurrent-state layers: the block hashes whose prefix state the
+    engine holds (a sparse subset: states are kept where a prefill chunk ended); None
+    for a model without. A prefix hit of n blocks needs the attention blocks 0..n-1
+    and the state at n-1, as the engine's own `longest_hit` does."""
+    speculative_states: dict[BlockHash, float] = field(default_factory=dict)
 
     @property
     def load(self) -> int:
@@ -165,9 +172,13 @@ class KVIndex:
         cleared: bool = False,
         stats: dict[str, Any] | None = None,
         sent_at: float | None = None,
+        state_stored: Sequence[BlockHash] | None = None,
+        state_removed: Sequence[BlockHash] = (),
     ) -> bool:
         """Apply one batch (and heartbeat). Returns True when the replica must send a
-        snapshot (`resync`): unknown replica, never synced, or a sequence gap."""
+        snapshot (`resync`): unknown replica, never synced, or a sequence gap.
+        `state_stored` / `state_removed`: the state group's changes, for a model with
+        recurrent-state layers (None: a model without)."""
         state = self.replicas.get(replica_id)
         if state is None:
             return True
@@ -186,23 +197,31 @@ class KVIndex:
         if cleared:
             state.hashes.clear()
             state.speculative.clear()
-        state.hashes.update(stored)
-        state.hashes.difference_update(removed)
-        spec = state.speculative
-        if spec:
-            for h in stored:
-                spec.pop(h, None)
-            for h in removed:
-                spec.pop(h, None)
+            state.speculative_states.clear()
+            if state.states is not None:
+                state.states.clear()
+        _apply(state.hashes, state.speculative, stored, removed)
+        if state_stored is not None:
+            if state.states is None:
+                state.states = set()
+            _apply(state.states, state.speculative_states, state_stored, state_removed)
         self.num_events += len(stored) + len(removed) + int(cleared)
         return False
 
-    def resync(self, replica_id: str, seq: int, hashes: Iterable[BlockHash]) -> None:
-        """Replace a replica's hashes with a snapshot taken after batch `seq`."""
+    def resync(
+        self,
+        replica_id: str,
+        seq: int,
+        hashes: Iterable[BlockHash],
+        states: Iterable[BlockHash] | None = None,
+    ) -> None:
+        """Replace a replica's hashes (and, for a model with state layers, its state
+        hashes) with a snapshot taken after batch `seq`."""
         state = self.replicas.get(replica_id)
         if state is None:
             return
         state.hashes = set(hashes)
+        state.states = None if states is None else set(states)
         state.last_seq = seq
         state.synced = True
         self.num_snapshots += 1
@@ -224,17 +243,24 @@ class KVIndex:
 
     # -- router side ----------------------------------------------------------------------
     def match(self, replica_id: str, chain: Sequence[BlockHash]) -> int:
-        """Leading blocks of `chain` that the replica holds (consecutive from 0)."""
+        """Leading blocks of `chain` the replica can serve from its cache: held
+        consecutively from 0 and, for a model with state layers, ending at a block
+        whose prefix state it holds (the engine's own rule)."""
         state = self.replicas.get(replica_id)
         if state is None:
             return 0
         held, spec = state.hashes, state.speculative
-        now = self.clock() if spec else 0.0
+        now = self.clock() if spec or state.speculative_states else 0.0
         n = 0
         for h in chain:
             if h not in held and spec.get(h, 0.0) <= now:
                 break
             n += 1
+        states = state.states
+        if states is not None:
+            spec_states = state.speculative_states
+            while n and chain[n - 1] not in states and spec_states.get(chain[n - 1], 0.0) <= now:
+                n -= 1
         return n
 
     def record(self, replica_id: str, chain: Sequence[BlockHash]) -> None:
@@ -249,10 +275,14 @@ class KVIndex:
         for h in chain:
             if h not in state.hashes:
                 spec[h] = expiry
-        if len(spec) > 4 * len(chain) + 1024:  # drop the expired ones now and then
-            now = self.clock()
-            for h in [h for h, t in spec.items() if t <= now]:
-                del spec[h]
+        if state.states is not None and chain and chain[-1] not in state.states:
+            # Its prefill ends on its last full block: the engine keeps that state.
+            state.speculative_states[chain[-1]] = expiry
+        for table in (spec, state.speculative_states):
+            if len(table) > 4 * len(chain) + 1024:  # drop the expired ones now and then
+                now = self.clock()
+                for h in [h for h, t in table.items() if t <= now]:
+                    del table[h]
 
     def report_failure(self, replica_id: str) -> None:
         """A caller saw the replica fail (its actor died mid-request)."""
@@ -376,3 +406,20 @@ class KVIndex:
             "snapshots": self.num_snapshots,
             "event_lag_s": self.last_event_lag_s,
         }
+
+
+def _apply(
+    held: set[BlockHash],
+    spec: dict[BlockHash, float],
+    stored: Sequence[BlockHash],
+    removed: Sequence[BlockHash],
+) -> None:
+    """One batch's net changes to a set of held hashes; the engine's word replaces a
+    router's speculation either way."""
+    held.update(stored)
+    held.difference_update(removed)
+    if spec:
+        for h in stored:
+            spec.pop(h, None)
+        for h in removed:
+            spec.pop(h, None)

@@ -54,6 +54,30 @@ def test_in_order_batches_apply_after_resync(t):
     assert idx.stats()["events_applied"] == 2 + 1 + 2
 
 
+def test_a_state_model_matches_up_to_a_block_whose_state_is_held(t):
+    """A hybrid engine serves a hit of n blocks only with the attention blocks 0..n-1
+    and the state saved at n - 1 (saved where prefill chunks ended: sparse). The
+    router counted attention alone: phantom hits that outweighed load."""
+    idx = make(t)
+    idx.register("h", "L", "n1")
+    idx.resync("h", 0, [A, B, C, D], states=[B])
+    assert idx.match("h", [A, B, C, D]) == 2  # the state after B, none after C or D
+    assert idx.match("h", [A]) == 0  # no state after A: a cold start there
+    assert idx.publish("h", 1, state_stored=[D], state_removed=[B]) is False
+    assert idx.match("h", [A, B, C, D]) == 4 and idx.match("h", [A, B, C]) == 0
+    assert idx.publish("h", 2, stored=[], state_stored=[], cleared=True) is False
+    assert idx.match("h", [A, B]) == 0 and idx.replicas["h"].states == set()
+    # a router's speculation: the chain's blocks and the state of its last one
+    idx.record("h", [A, B, C])
+    assert idx.match("h", [A, B, C]) == 3 and idx.match("h", [A, B]) == 0
+    t[0] += idx.speculative_ttl_s + 1
+    assert idx.match("h", [A, B, C]) == 0
+    # a model without state layers keeps the attention rule
+    plain = synced(t)
+    plain.publish("r1", 1, stored=[B])
+    assert plain.replicas["r1"].states is None and plain.match("r1", [A, B]) == 2
+
+
 def test_gap_unsyncs_until_resync(t):
     idx = synced(t)
     assert idx.publish("r1", 2, stored=[B]) is True  # seq 1 lost

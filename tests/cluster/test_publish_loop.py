@@ -60,8 +60,8 @@ class _Engine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": 0, "num_waiting": 0, "alive": True}
 
-    async def snapshot(self) -> tuple[int, list[bytes]]:
-        return self.seq - 1, sorted(self.cached)
+    async def snapshot(self) -> tuple[int, list[bytes], list[bytes] | None]:
+        return self.seq - 1, sorted(self.cached), None  # no state layers
 
 
 async def _until(condition: Any, timeout_s: float = 5.0) -> None:

@@ -14,7 +14,7 @@ from spur.actors.engine.shell.async_engine import AsyncEngine, EngineDeadError
 from spur.actors.engine.shell.output_processor import Delta
 from spur.actors.step import SamplingParams
 
-from .helpers import make_engine, prompts
+from .helpers import FULL, STATE, make_engine, prompts
 
 
 async def collect(engine: AsyncEngine, rid: str, tokens: list[int], **params) -> RequestOutput:
@@ -362,25 +362,38 @@ def test_event_batch_keeps_the_net_effect_in_order():
     assert cleared["cleared"] and cleared["stored"] == [b] and cleared["removed"] == []
 
 
-def test_published_batches_replay_to_the_pool_and_match_a_snapshot():
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_published_batches_replay_to_the_pool_and_match_a_snapshot(hybrid):
     """Applying the engine's batches in order gives exactly the hashes its pool
-    holds (through evictions and a reset), and a snapshot says the same."""
+    holds (through evictions and a reset), and a snapshot says the same; for a
+    model with state layers, the state group's hashes too (the router's hit needs
+    the state at its last block)."""
 
-    def replay(batches, held, last_seq):
+    def replay(batches, held, states, last_seq):
         for batch in batches:
             assert batch["seq"] == last_seq + 1  # numbered without gaps
             last_seq = batch["seq"]
             if batch["cleared"]:
                 held.clear()
+                states.clear()
             held.update(batch["stored"])
             held.difference_update(batch["removed"])
+            assert ("state_stored" in batch) == hybrid
+            states.update(batch.get("state_stored", ()))
+            states.difference_update(batch.get("state_removed", ()))
         return last_seq
 
     async def main():
-        # 24 blocks of 4 tokens: eight 18-token prompts with 8 shared tokens evict.
-        core, sched, _ = make_engine(block_size=4, num_blocks=24, budget=24, kv_events=True)
+        # 24 blocks of 4 tokens (48 for two groups): eight 18-token prompts with 8
+        # shared tokens evict.
+        groups = (FULL, STATE) if hybrid else (FULL,)
+        core, sched, _ = make_engine(
+            block_size=4, num_blocks=24 * len(groups), budget=24, kv_events=True, groups=groups
+        )
         engine = AsyncEngine(core, None, eos_token_id=None)
+        assert engine.state_group == (1 if hybrid else None)
         held: set[bytes] = set()
+        states: set[bytes] = set()
         last = -1
         for round_ in range(2):
             ps = prompts(8, 18, shared=8, seed=round_)
@@ -390,19 +403,24 @@ def test_published_batches_replay_to_the_pool_and_match_a_snapshot():
                     for i, p in enumerate(ps)
                 )
             )
-            last = replay(engine.take_kv_batches(), held, last)
+            last = replay(engine.take_kv_batches(), held, states, last)
         assert sched.kv.pool.stats.num_evictions > 0
-        seq, snap = await engine.snapshot()
-        last = replay(engine.take_kv_batches(), held, last)
-        pool_now = set(sched.kv.pool.cached[0])
-        assert held == pool_now == set(snap) and seq == last
+        seq, snap, snap_states = await engine.snapshot()
+        last = replay(engine.take_kv_batches(), held, states, last)
+        pool = sched.kv.pool.cached
+        assert held == set(pool[0]) == set(snap) and seq == last
+        if hybrid:
+            assert states == set(pool[1]) == set(snap_states) and states
+            assert states < held  # sparse: where chunks ended, of blocks it holds
+        else:
+            assert snap_states is None and not states
         await engine.reset_prefix_cache()
-        last = replay(engine.take_kv_batches(), held, last)
+        last = replay(engine.take_kv_batches(), held, states, last)
         await engine.shutdown()
-        return held, sched
+        return held, states, sched
 
-    held, sched = asyncio.run(main())
-    assert held == set() and not sched.kv.pool.cached[0]
+    held, states, sched = asyncio.run(main())
+    assert held == states == set() and not any(sched.kv.pool.cached)
 
 
 def test_on_thread_start_runs_first_on_the_engine_thread():

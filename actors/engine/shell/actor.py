@@ -270,11 +270,11 @@ class EngineReplica:
                     if command == "reset_prefix_cache":
                         await engine.reset_prefix_cache()
                 if answer["resync"]:
-                    seq, hashes = await engine.snapshot()
+                    seq, hashes, states = await engine.snapshot()
                     self.index.register.remote(
                         self.replica_id, self.lane, self.node_id, engine.stats()
                     )
-                    await self.index.resync.remote(self.replica_id, seq, hashes)
+                    await self.index.resync.remote(self.replica_id, seq, hashes, states)
                 warned = False
             except Exception as exc:  # the index restarts: the next publish resyncs
                 # An index that stays up would never see these batches' removals (an

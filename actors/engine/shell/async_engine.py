@@ -66,7 +66,7 @@ class _ResetPrefixCache:
 
 @dataclass
 class _Snapshot:
-    done: asyncio.Future[tuple[int, list[bytes]]]
+    done: asyncio.Future[tuple[int, list[bytes], list[bytes] | None]]
 
 
 @dataclass
@@ -77,28 +77,34 @@ class _CheckIntegrity:
 _Command = _Add | _Abort | _ResetPrefixCache | _Snapshot | _CheckIntegrity
 
 
-def event_batch(seq: int, events: list[KVEvent], group_id: int = 0) -> dict[str, Any]:
+def event_batch(
+    seq: int, events: list[KVEvent], group_id: int = 0, state_group: int | None = None
+) -> dict[str, Any]:
     """The net effect of `events` on group `group_id`'s cached hashes, as one batch
     for the KV index: {"seq", "cleared", "stored", "removed", "time"}. Applying
     it = clear (if cleared), add stored, remove removed; a hash stored and then
-    evicted within the batch ends up in removed only, and the reverse in stored."""
-    last: dict[bytes, bool] = {}
+    evicted within the batch ends up in removed only, and the reverse in stored.
+    With `state_group` (a model with recurrent-state layers), that group's changes
+    too, as "state_stored" / "state_removed": a prefix hit needs its state."""
+    groups = (group_id,) if state_group is None else (group_id, state_group)
+    last: dict[int, dict[bytes, bool]] = {g: {} for g in groups}
     cleared = False
     for ev in events:
         if isinstance(ev, AllBlocksCleared):
-            last.clear()
+            for table in last.values():
+                table.clear()
             cleared = True
-        elif ev.group_id == group_id:
+        elif ev.group_id in last:
             present = isinstance(ev, BlockStored)
+            table = last[ev.group_id]
             for h in ev.block_hashes:
-                last[h] = present
-    return {
-        "seq": seq,
-        "cleared": cleared,
-        "stored": [h for h, present in last.items() if present],
-        "removed": [h for h, present in last.items() if not present],
-        "time": time.time(),
-    }
+                table[h] = present
+    batch: dict[str, Any] = {"seq": seq, "cleared": cleared, "time": time.time()}
+    for prefix, g in (("", group_id), ("state_", state_group)):
+        if g is not None:
+            batch[f"{prefix}stored"] = [h for h, present in last[g].items() if present]
+            batch[f"{prefix}removed"] = [h for h, present in last[g].items() if not present]
+    return batch
 
 
 class AsyncEngine:
@@ -142,6 +148,10 @@ class AsyncEngine:
         # (engine thread appends, the replica's publisher pops; a full deque
         # drops the oldest batch, which the index sees as a gap and resyncs).
         self.publish_kv_events = core.scheduler.kv.pool.enable_kv_events
+        groups = core.scheduler.kv.config.groups
+        self.state_group = next((i for i, g in enumerate(groups) if g.spec.kind == "state"), None)
+        """The cache group of recurrent states (hybrid models), published beside group
+        0's attention blocks: the router's hit needs both; None for other models."""
         self.kv_batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
         self._next_seq = 0
         self._on_thread_start = on_thread_start
@@ -280,9 +290,10 @@ class AsyncEngine:
         """Forget every cached block hash, on the engine thread (between steps)."""
         await self._ask(_ResetPrefixCache)
 
-    async def snapshot(self) -> tuple[int, list[bytes]]:
-        """(seq, every cached hash of group 0) as of event batch `seq`, taken on the
-        engine thread: the index replaces its view with it and applies later batches."""
+    async def snapshot(self) -> tuple[int, list[bytes], list[bytes] | None]:
+        """(seq, every cached hash of group 0, those of the state group or None) as of
+        event batch `seq`, taken on the engine thread: the index replaces its view with
+        it and applies later batches."""
         return await self._ask(_Snapshot)
 
     async def _ask(self, command: Callable[[asyncio.Future[Any]], _Command]) -> Any:
@@ -349,8 +360,10 @@ class AsyncEngine:
             return
         if isinstance(cmd, _Snapshot):
             self._flush_kv_events()
-            hashes = list(sched.kv.pool.cached[0]) if sched.kv.pool.cached else []
-            self._settle(cmd.done, (self._next_seq - 1, hashes))
+            cached = sched.kv.pool.cached
+            hashes = list(cached[0]) if cached else []
+            states = None if self.state_group is None else list(cached[self.state_group])
+            self._settle(cmd.done, (self._next_seq - 1, hashes, states))
             return
         if isinstance(cmd, _CheckIntegrity):
             try:
@@ -509,7 +522,7 @@ class AsyncEngine:
             return
         events = self.scheduler.kv.take_events()
         if events:
-            self.kv_batches.append(event_batch(self._next_seq, events))
+            self.kv_batches.append(event_batch(self._next_seq, events, 0, self.state_group))
             self._next_seq += 1
 
     def stats(self) -> dict[str, Any]:
