@@ -97,14 +97,27 @@ class LLM:
         """The tokenizer, or None (vLLM's `LLM.get_tokenizer`)."""
         return self.tokenizer
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat, with the tokenizer's chat template (ending with the
-        assistant's turn opener). Raises ValueError (ChatTemplateError) when the
-        model has no template or it refuses the messages."""
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a chat, with the tokenizer's chat template (by default ending
+        with the assistant's turn opener). Raises ValueError (ChatTemplateError) when
+        the model has no template or it refuses the messages."""
         if self.tokenizer is None:
             raise ValueError(f"{self.info.model_dir} has no tokenizer: chat needs one")
         # The template already holds the special tokens (BOS, role markers).
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt=True)
+        return chat_token_ids(
+            self.tokenizer,
+            [dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=chat_template_kwargs,
+        )
 
     # -- generation ---------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
@@ -234,17 +247,14 @@ class LLM:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"}) or a list
         of them, through the tokenizer's chat template, then `generate`. Raises
         ValueError (ChatTemplateError) when the model has no template or it refuses."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.info.model_dir} has no tokenizer: chat needs one")
         many = bool(messages) and not isinstance(messages[0], Mapping)
         conversations = list(messages) if many else [messages]
         prompts = [
-            chat_token_ids(
-                self.tokenizer,
-                [dict(m) for m in conversation],  # type: ignore[union-attr]
+            self.chat_prompt(
+                conversation,  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                template_kwargs=chat_template_kwargs,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conversation in conversations
         ]

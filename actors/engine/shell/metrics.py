@@ -292,8 +292,12 @@ class EngineMetrics:
                 t.last_token = now
                 t.num_generated += n
             if out.finish_reason is not None:
-                reason = reasons.get(out.req_id, out.finish_reason) if reasons else None
-                self._finished(out.req_id, t, reason or out.finish_reason, now)
+                reason = (
+                    out.finish_reason
+                    if reasons is None
+                    else reasons.get(out.req_id, out.finish_reason)
+                )
+                self._finished(out.req_id, t, reason, now)
         self.prompt_tokens += step_prompt
         self.generation_tokens += step_generated
         self.histograms["vllm:iteration_tokens_total"].observe(
