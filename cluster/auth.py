@@ -321,13 +321,24 @@ def bearer_token(header: str | None) -> str | None:
     return token.strip()
 
 
-def unauthorized(message: str, code: str) -> ProtocolError:
+def bearer_challenge(error: str | None = None) -> dict[str, str]:
+    """The `WWW-Authenticate` header of a refusal, as RFC 6750 section 3 words it: no
+    error code when the request carried no bearer token, `invalid_token` for a key
+    that is not valid, `insufficient_scope` for a valid key of the wrong role."""
+    challenge = 'Bearer realm="spur"'
+    if error is not None:
+        challenge += f', error="{error}"'
+    return {"WWW-Authenticate": challenge}
+
+
+def unauthorized(message: str, code: str, error: str | None = None) -> ProtocolError:
+    """A 401; `error`: the RFC 6750 code of its challenge (None: no token was sent)."""
     return ProtocolError(
         401,
         message,
         type="invalid_request_error",
         code=code,
-        headers={"WWW-Authenticate": 'Bearer realm="spur"'},
+        headers=bearer_challenge(error),
     )
 
 
@@ -412,6 +423,7 @@ class AuthGuard:
             raise unauthorized(
                 "the API key is not valid: check the key the server's operator gave you",
                 "invalid_api_key",
+                "invalid_token",
             )
         if admin and not entry.admin:
             raise ProtocolError(
@@ -419,6 +431,7 @@ class AuthGuard:
                 f"key {entry.name!r} may not use {path}: /admin/* needs an admin key",
                 type="permission_error",
                 code="admin_key_required",
+                headers=bearer_challenge("insufficient_scope"),
             )
         if not admin and entry.admin:
             raise ProtocolError(
@@ -426,6 +439,7 @@ class AuthGuard:
                 f"key {entry.name!r} is an admin key, valid for /admin/* only: use an API key",
                 type="permission_error",
                 code="api_key_required",
+                headers=bearer_challenge("insufficient_scope"),
             )
         return self.principal(entry)
 

@@ -103,18 +103,27 @@ def test_require_keys_fails_closed_where_no_keys_are_found() -> None:
     assert not AuthGuard.from_config({**auth, "require_keys": False}, {}).enabled
 
 
+# WWW-Authenticate as RFC 6750 words it: an error code only when a bearer token was sent
+CHALLENGE = 'Bearer realm="spur"'
+INVALID = 'Bearer realm="spur", error="invalid_token"'
+SCOPE = 'Bearer realm="spur", error="insufficient_scope"'  # a 403's
+
+
 def test_guard_routes() -> None:
     g = guard()
     # open paths need nothing
     for path in ("/health", "/health/live", "/metrics"):
         assert g.check(path, None) is None
     # missing, malformed, wrong: 401 with OpenAI's body fields
-    for header, code in ((None, "missing_api_key"), ("Basic abc", "missing_api_key"),
-                         ("Bearer sk-nope-0123456789", "invalid_api_key")):  # fmt: skip
+    for header, code, challenge in (
+        (None, "missing_api_key", CHALLENGE),
+        ("Basic abc", "missing_api_key", CHALLENGE),
+        ("Bearer sk-nope-0123456789", "invalid_api_key", INVALID),
+    ):  # fmt: skip
         with pytest.raises(ProtocolError) as info:
             g.check("/v1/completions", header)
         assert info.value.status == 401 and info.value.code == code
-        assert info.value.headers["WWW-Authenticate"].startswith("Bearer")
+        assert info.value.headers["WWW-Authenticate"] == challenge
     alice = g.check("/v1/chat/completions", "Bearer sk-alice-0123456789")
     assert alice is not None and alice.tenant == "acme" and alice.tokens_per_minute == 1000
     assert g.check("/tokenize", "bearer  sk-bob-0123456789 ") is not None
@@ -122,10 +131,12 @@ def test_guard_routes() -> None:
     with pytest.raises(ProtocolError) as info:
         g.check("/admin/config", "Bearer sk-alice-0123456789")
     assert info.value.status == 403
+    assert info.value.headers["WWW-Authenticate"] == SCOPE
     assert g.check("/admin/config", "Bearer sk-ops-0123456789") is not None
     with pytest.raises(ProtocolError) as info:
         g.check("/v1/completions", "Bearer sk-ops-0123456789")
     assert info.value.status == 403
+    assert info.value.headers["WWW-Authenticate"] == SCOPE
     # an unknown route is closed too (default deny), the docs included
     with pytest.raises(ProtocolError):
         g.check("/openapi.json", None)

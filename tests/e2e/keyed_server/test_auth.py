@@ -67,16 +67,20 @@ def test_routes_need_a_key_of_the_right_role(keyed_server: KeyedServer) -> None:
             r = anon.request(method, path, json=payload)
             error = error_of(r, 401)
             assert error["code"] == "missing_api_key", (path, error)
-            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+            assert r.headers["WWW-Authenticate"] == 'Bearer realm="spur"'  # RFC 6750: no error
         wrong = anon.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-x"})
         assert error_of(wrong, 401)["code"] == "invalid_api_key"
+        assert wrong.headers["WWW-Authenticate"] == 'Bearer realm="spur", error="invalid_token"'
         assert "sk-x" not in wrong.text
         # open: health (and /metrics, when served) never ask for a key
         assert anon.get("/health").status_code == 200
         assert anon.get("/metrics").status_code != 401
         # roles
         assert alice.post("/v1/completions", json=body).status_code == 200
-        assert error_of(alice.get("/admin/config"), 403)["code"] == "admin_key_required"
+        refused = alice.get("/admin/config")
+        assert error_of(refused, 403)["code"] == "admin_key_required"
+        challenge = refused.headers["WWW-Authenticate"]
+        assert challenge == 'Bearer realm="spur", error="insufficient_scope"'
         assert error_of(ops.post("/v1/completions", json=body), 403)["code"] == "api_key_required"
         config = ops.get("/admin/config")
         assert config.status_code == 200
