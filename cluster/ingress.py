@@ -223,23 +223,25 @@ def _error_response(exc: ProtocolError) -> Response:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers or None)
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+# Starlette's own refusals: status -> (OpenAI code, message of "{method} {path}")
+_HTTP_ERRORS = {
+    404: ("not_found", "Invalid URL ({}): no such route"),
+    405: ("method_not_allowed", "Method not allowed ({})"),
+}
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     """Starlette's own refusals (an unknown path, a wrong method) in OpenAI's error
-    body, with a code, as every other answer of the API: not {"detail": ...}."""
-    method, path = request.method, request.url.path
-    message = {
-        404: f"Invalid URL ({method} {path}): no such route",
-        405: f"Method not allowed ({method} {path})",
-    }.get(exc.status_code, str(exc.detail))
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    response = _error_response(ProtocolError(exc.status_code, message, code=code))
-    for name, value in (exc.headers or {}).items():  # Allow on a 405
-        response.headers[name] = value
-    return response
+    body, with a code, as every other answer of the API: not {"detail": ...}. Their
+    headers (Allow on a 405) go along."""
+    code, message = "http_error", str(exc.detail)
+    if exc.status_code in _HTTP_ERRORS:
+        code, template = _HTTP_ERRORS[exc.status_code]
+        message = template.format(f"{request.method} {request.url.path}")
+    return _error_response(
+        ProtocolError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+    )
 
 
 @serve.ingress(app)
