@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer
+from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer, direct_decoder
 
 from .helpers import sp_ids
 
@@ -96,6 +96,39 @@ def test_random_ids_match_full_decode(smol):
         detok = IncrementalDetokenizer(smol, prompt, skip_special_tokens=skip)
         out = "".join(stream(detok, ids, rng.randrange(1, 5)))
         assert out == smol.decode(ids, skip_special_tokens=skip)
+
+
+def test_direct_decoder_gives_the_tokenizers_text(smol, sentencepiece):
+    """The Rust decoder the output processor streams through, for a fast tokenizer
+    without clean-up, decodes every id list as the tokenizer does, specials skipped or
+    kept (its own default skips them); the random-id stream above adds up through it too.
+    A tokenizer with clean-up on keeps its own decode."""
+    direct = direct_decoder(smol)
+    assert direct is not smol and not smol.clean_up_tokenization_spaces
+    rng = random.Random(7)
+    specials = list(range(17))
+    for _ in range(200):
+        ids = [
+            rng.choice(specials) if rng.random() < 0.2 else rng.randrange(49152)
+            for _ in range(rng.randrange(0, 30))
+        ]
+        for skip in (True, False):
+            assert direct.decode(ids, skip_special_tokens=skip) == smol.decode(
+                ids, skip_special_tokens=skip
+            )
+    assert "<|im_end|>" in direct.decode(smol.encode("<|im_end|>"))  # default: kept
+    ids = [*smol.encode(MULTIBYTE), 2, *smol.encode(CODE)]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(direct, smol.encode("Say:"), skip_special_tokens=skip)
+        assert "".join(stream(detok, ids, 2)) == smol.decode(ids, skip_special_tokens=skip)
+    sp = direct_decoder(sentencepiece)  # byte fallback, through the Rust decoder too
+    assert sp is not sentencepiece
+    out = sp_ids(sentencepiece, "Hello日本 world!")
+    assert "".join(stream(IncrementalDetokenizer(sp, []), out)) == "Hello日本 world!"
+    cleaned = transformers.AutoTokenizer.from_pretrained(
+        smol.name_or_path, clean_up_tokenization_spaces=True
+    )
+    assert direct_decoder(cleaned) is cleaned
 
 
 @pytest.mark.parametrize("skip", [True, False])

@@ -47,6 +47,34 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
+def direct_decoder(tokenizer: Any) -> Tokenizer:
+    """`tokenizer`, or its Rust decoder where its `decode` comes down to that decoder's.
+
+    A Hugging Face fast tokenizer's `decode` converts the ids (`to_py_obj`) and
+    dispatches through two layers before it calls its backend's, then applies the
+    tokenization-space clean-up if that is on: about 8 us a call, twice the decode
+    itself, and the detokenizer decodes once an update a request (0.08 s of a 12 s
+    bench run of 9,269 tokens). Where the clean-up is off, the backend's decode gives
+    the same text, so it is called directly; anything else is returned as it is."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer
+    return _BackendDecoder(backend)
+
+
+class _BackendDecoder:
+    """The `Tokenizer` protocol over a `tokenizers.Tokenizer`."""
+
+    __slots__ = ("_decode",)
+
+    def __init__(self, backend: Any) -> None:
+        self._decode = backend.decode
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        # the backend's own default is True: always passed
+        return self._decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns one request's output token ids into streamable text deltas.
 

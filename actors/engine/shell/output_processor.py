@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spur.actors.engine.core.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer, direct_decoder
 from spur.actors.step import Logprobs, SamplingParams
 
 
@@ -58,6 +59,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self._decoder = None if tokenizer is None else direct_decoder(tokenizer)
         self.requests: dict[str, _Tracked] = {}
 
     def add_request(
@@ -92,10 +94,8 @@ class OutputProcessor:
             if self.tokenizer is None:
                 detoks.append(None)
                 continue
-            from spur.actors.engine.shell.detokenizer import IncrementalDetokenizer
-
             detok = IncrementalDetokenizer(
-                self.tokenizer,
+                self._decoder,
                 prompt_token_ids[:cut],
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
