@@ -91,7 +91,7 @@ class OutputProcessor:
         carry, skip = "", 0
         cut = len(prompt_token_ids) - resumed
         for _ in range(params.n):
-            if self.tokenizer is None:
+            if self._decoder is None:  # no tokenizer
                 detoks.append(None)
                 continue
             detok = IncrementalDetokenizer(
