@@ -190,9 +190,15 @@ def eos_ids(
 
 def with_eos(params: SamplingParams, eos_ids: tuple[int, ...]) -> SamplingParams:
     """`params` stopping at `eos_ids` too (added to stop_token_ids, so min_tokens masks
-    them and their text stays out of the output), unless it sets ignore_eos."""
-    if not eos_ids or params.ignore_eos:
+    them and their text stays out of the output), unless it sets ignore_eos: then they
+    stop nothing, and min_tokens masks them all the same (`masked_eos_token_ids`), as
+    vLLM's min_tokens masks every stop id and EOS whatever ignore_eos says."""
+    if not eos_ids:
         return params
+    if params.ignore_eos:
+        if params.min_tokens == 0 or params.masked_eos_token_ids == tuple(eos_ids):
+            return params
+        return dataclasses.replace(params, masked_eos_token_ids=tuple(eos_ids))
     merged = tuple(dict.fromkeys((*params.stop_token_ids, *eos_ids)))
     if merged == params.stop_token_ids:
         return params

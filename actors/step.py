@@ -80,6 +80,11 @@ class SamplingParams:
     """Token ids that end the request (in addition to EOS unless ignore_eos)."""
     ignore_eos: bool = False
     """Keep generating through the model's EOS token."""
+    masked_eos_token_ids: tuple[int, ...] = ()
+    """The model's other EOS ids (its generation config's) under ignore_eos and
+    min_tokens: they end nothing, but min_tokens masks them as it masks EOS (vLLM's
+    `_all_stop_token_ids`). Set where requests enter the engine
+    (`generation_config.with_eos`); without ignore_eos they are in stop_token_ids."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of the top-N ones. [0, 20]."""
     prompt_logprobs: int | None = None
@@ -96,6 +101,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "masked_eos_token_ids", tuple(self.masked_eos_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -136,8 +142,10 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        for name in ("stop_token_ids", "masked_eos_token_ids"):
+            ids = getattr(self, name)
+            if any(not isinstance(t, int) or t < 0 for t in ids):
+                raise bad(name, ids, "non-negative integers")
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20
         ):

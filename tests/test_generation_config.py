@@ -197,6 +197,13 @@ def test_with_eos_adds_stop_ids_unless_ignore_eos() -> None:
     assert with_eos(params, ()) is params
     ignoring = SamplingParams(ignore_eos=True)
     assert with_eos(ignoring, (11,)) is ignoring
+    # under ignore_eos they stop nothing, but min_tokens masks them (vLLM's
+    # _all_stop_token_ids): they travel in masked_eos_token_ids
+    waiting = SamplingParams(ignore_eos=True, min_tokens=3, stop_token_ids=(5,))
+    masked = with_eos(waiting, (9, 11))
+    assert masked.masked_eos_token_ids == (9, 11) and masked.stop_token_ids == (5,)
+    assert with_eos(masked, (9, 11)) is masked
+    assert params.masked_eos_token_ids == () == with_eos(params, (9, 11)).masked_eos_token_ids
 
 
 def test_the_tokenizers_eos_is_the_requests_eos_and_the_models_joins_the_others() -> None:

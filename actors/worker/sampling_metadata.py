@@ -236,7 +236,7 @@ class SamplerState:
         if params.min_tokens > 0:
             # vLLM semantics: min_tokens suppresses EOS even with ignore_eos (ignore_eos
             # only stops EOS from ending the request; it never masks it by itself).
-            ids = set(params.stop_token_ids)
+            ids = {*params.stop_token_ids, *params.masked_eos_token_ids}
             if eos_token_id is not None:
                 ids.add(eos_token_id)
             min_tokens_ids = tuple(sorted(t for t in ids if 0 <= t < self.vocab_size))

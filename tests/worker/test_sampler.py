@@ -290,6 +290,26 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert not state.build(ids).needs_processing
 
 
+def test_min_tokens_masks_the_models_other_eos_ids_under_ignore_eos() -> None:
+    """The generation config's EOS ids stop nothing under ignore_eos, but min_tokens
+    masks them as it masks EOS (`masked_eos_token_ids`, set by `with_eos`)."""
+    from spur.actors.generation_config import with_eos
+
+    eos, other = 4, 3
+    logits = torch.tensor([0.0, 1.0, 2.0, 7.0, 9.0])  # EOS best, then the other EOS
+    params = with_eos(SamplingParams(temperature=0.0, min_tokens=1, ignore_eos=True), (other,))
+    assert params.stop_token_ids == () and params.masked_eos_token_ids == (other,)
+    state = _state(5)
+    state.add_request("a", params, [0], eos)
+    state.add_request("b", params.with_changes(masked_eos_token_ids=()), [0], eos)
+    out = Sampler()(logits.repeat(2, 1), state.build(["a", "b"]))
+    assert out.sampled_token_ids.tolist() == [2, other]  # without it: only EOS masked
+    state.append_sampled(["a", "b"], out.sampled_token_ids.tolist())
+    out = Sampler()(logits.repeat(2, 1), state.build(["a", "b"]))
+    assert out.sampled_token_ids.tolist() == [eos, eos]  # min_tokens reached
+    state.check_integrity()
+
+
 # ---- seeds ---------------------------------------------------------------------------------
 
 
