@@ -39,7 +39,8 @@
 //       linear_f32_panel_width() says PW (32 on AVX-512 builds, 16 on AVX2).
 //   linear_bf16_panels(x [M, K], panels [ceil(n / 32), K / 2, 32, 2], bias [n]?, n)
 //       -> [M, n] bfloat16, any M, K even, AVX-512 BF16 builds: the bf16 weight
-//       packed once at load in pairs (native.pack_linear_bf16); one rounding.
+//       packed once at load in pairs (native.pack_linear_bf16); one rounding. With
+//       float_out=True: [M, n] float32 holding the same bf16-rounded values.
 //   decoder_stack(hidden, positions, cos_sin, kv_caches, slots, norms, panels, ...)
 //       every layer of a Llama decoder on the ops above, in one call (see there).
 // Each rounds where its torch reference rounds (bf16: after every op), so bf16
@@ -1529,9 +1530,9 @@ void small_linear_typed(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
 // accumulators, so they split K in two halves with their own sums (KS), added at the end.
 constexpr int kBf16MR = 12;
 
-template <int MR, int KS>
+template <int MR, int KS, typename Y>
 inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* bp,
-                           const float* bias_p, int64_t K, bf16* y, int64_t y_row, int cols,
+                           const float* bias_p, int64_t K, Y* y, int64_t y_row, int cols,
                            const bf16* next) {
   __m512 c[KS][2 * MR];
   const __m512 b0 = _mm512_load_ps(bias_p), b1 = _mm512_load_ps(bias_p + 16);
@@ -1569,20 +1570,34 @@ inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* b
     if (i >= rows) break;
     __m512 lo = c[0][2 * i], hi = c[0][2 * i + 1];
     for (int s = 1; s < KS; ++s) lo = _mm512_add_ps(lo, c[s][2 * i]), hi = _mm512_add_ps(hi, c[s][2 * i + 1]);
-    const __m512i out = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
-    if (cols == 32) {
-      _mm512_storeu_si512(reinterpret_cast<void*>(y + i * y_row), out);
+    if constexpr (std::is_same_v<Y, float>) {  // rounded to bf16, then widened
+      const __m512 flo = widen_bf16(to_bf16(lo)), fhi = widen_bf16(to_bf16(hi));
+      if (cols == 32) {
+        _mm512_storeu_ps(y + i * y_row, flo);
+        _mm512_storeu_ps(y + i * y_row + 16, fhi);
+      } else {
+        alignas(64) float tmp[32];
+        _mm512_store_ps(tmp, flo);
+        _mm512_store_ps(tmp + 16, fhi);
+        for (int j = 0; j < cols; ++j) y[i * y_row + j] = tmp[j];
+      }
     } else {
-      alignas(64) bf16 tmp[32];
-      _mm512_store_si512(reinterpret_cast<void*>(tmp), out);
-      for (int j = 0; j < cols; ++j) y[i * y_row + j] = tmp[j];
+      const __m512i out =
+          _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
+      if (cols == 32) {
+        _mm512_storeu_si512(reinterpret_cast<void*>(y + i * y_row), out);
+      } else {
+        alignas(64) bf16 tmp[32];
+        _mm512_store_si512(reinterpret_cast<void*>(tmp), out);
+        for (int j = 0; j < cols; ++j) y[i * y_row + j] = tmp[j];
+      }
     }
   }
 }
 
-template <int MR, int KS>
+template <int MR, int KS, typename Y>
 void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
-                      const float* bias_p, int64_t K, bf16* y, int64_t N, int cols,
+                      const float* bias_p, int64_t K, Y* y, int64_t N, int cols,
                       const bf16* next) {
   // The first tile streams the panel from memory. The last one asks for the next panel
   // meanwhile, if there were tiles before it or it has 8 rows or more: a tile of fewer
@@ -1595,7 +1610,10 @@ void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
   }
 }
 
-void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bias, bf16* y,
+// Y: bf16, or float32 holding the same bf16-rounded values (the LM head's logits,
+// without a second pass to widen them).
+template <typename Y>
+void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bias, Y* y,
                               int64_t M, int64_t N, int64_t K, int64_t x_row) {
   const int64_t P = (N + 31) / 32;
   const int64_t tiles = (M + kBf16MR - 1) / kBf16MR;
@@ -1610,7 +1628,7 @@ void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bia
       // the panel after this one: this block's next, or the first of the thread's next block
       const int64_t pn = p + 1 < pe ? p + 1 : ahead();
       const bf16* next = pn < P ? panels + pn * K * 32 : nullptr;
-      bf16* yp = y + n0;
+      Y* yp = y + n0;
       switch (mr) {
 #define SPUR_BF16_CASE(R, KS) \
   case R: bf16_panel_tiles<R, KS>(x, x_row, M, bp, bias_p, K, yp, N, cols, next); break;
@@ -1937,7 +1955,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
-                              const std::optional<at::Tensor>& bias, int64_t n) {
+                              const std::optional<at::Tensor>& bias, int64_t n,
+                              bool float_out = false) {
   TORCH_CHECK(kSmallLinear, "linear_bf16_panels: built without AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
                   x.size(0) >= 1 && x.size(1) % 2 == 0,
@@ -1955,10 +1974,14 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
                 "linear_bf16_panels: bias [n] bfloat16");
     b = bias->data_ptr<bf16>();
   }
-  auto y = at::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
-  linear_bf16_panels_typed(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(), M,
-                           n, K, x.stride(0));
+  if (float_out)
+    linear_bf16_panels_typed(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<float>(),
+                             M, n, K, x.stride(0));
+  else
+    linear_bf16_panels_typed(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(),
+                             M, n, K, x.stride(0));
 #endif
   return y;
 }
@@ -2151,7 +2174,8 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_f32_panel_width() -> int", &linear_f32_panel_width);
   m.def("linear_f32_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
-  m.def("linear_bf16_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("linear_bf16_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool float_out=False) "
+        "-> Tensor");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) kv_cache, "
       "Tensor slots, int num_heads, int num_kv_heads, int head_dim, int rotary_dim) -> Tensor");

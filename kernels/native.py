@@ -506,23 +506,30 @@ def linear_f32_panels(
 
 
 def _on_panels(
-    op: str, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+    op: str,
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    **options: Any,
 ) -> torch.Tensor:
     """x [..., K] as rows [M, K] with a unit inner stride through the panels op `op`
-    -> [..., n]; `F.linear` on the unpacked weight under `torch_linears`."""
+    (with `options`) -> [..., n]; `F.linear` on the unpacked weight under `torch_linears`."""
     if _state.get("torch_linears"):
-        return torch.nn.functional.linear(x, unpack_linear(panels, n), bias)
+        y = torch.nn.functional.linear(x, unpack_linear(panels, n), bias)
+        return y.float() if options.get("float_out") else y
     if x.dim() == 2 and x.stride(-1) == 1 and x.numel():  # the layers' case: no reshapes
-        return getattr(ops(), op)(x, panels, bias, n)
+        return getattr(ops(), op)(x, panels, bias, n, **options)
     k = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     if rows == 0:
-        return x.new_empty(*x.shape[:-1], n)
+        dtype = torch.float32 if options.get("float_out") else x.dtype
+        return x.new_empty(*x.shape[:-1], n, dtype=dtype)
     # K = 0 goes on to the op, which names the mismatch: no packed weight has K = 0
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return getattr(ops(), op)(x2, panels, bias, n).view(*x.shape[:-1], n)
+    return getattr(ops(), op)(x2, panels, bias, n, **options).view(*x.shape[:-1], n)
 
 
 def bf16_panels_serve(flags: Iterable[str]) -> bool:
@@ -597,6 +604,17 @@ def linear_panels(
     `torch_linears` (benches: transformers' path) it unpacks W and runs `F.linear`."""
     op = "linear_bf16_panels" if panels.dim() == 4 else "linear_f32_panels"
     return _on_panels(op, x, panels, bias, n)
+
+
+def linear_panels_float(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """`linear_panels(x, panels, bias, n).float()` in one pass: bf16 panels write the
+    bf16-rounded outputs as float32 directly (the LM head's logits: no second pass over
+    [rows, vocab] to widen them); float32 panels are float32 already."""
+    if panels.dim() == 4:
+        return _on_panels("linear_bf16_panels", x, panels, bias, n, float_out=True)
+    return _on_panels("linear_f32_panels", x, panels, bias, n)
 
 
 @contextmanager

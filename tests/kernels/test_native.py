@@ -675,6 +675,9 @@ def test_linear_bf16_panels_is_a_bf16_linear(
     assert ((got.double() - exact).abs() <= step).all()
     torch_out = torch.nn.functional.linear(x, w, b).double()
     assert ((got.double() - torch_out).abs() <= 2 * step).all()
+    # the LM head's form: the same bf16-rounded values, written as float32
+    wide = native.linear_panels_float(x, panels, b, out_features)
+    assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
 
 
 def test_linear_bf16_panels_shapes_and_refusals(monkeypatch):
@@ -685,6 +688,9 @@ def test_linear_bf16_panels_shapes_and_refusals(monkeypatch):
     got = native.linear_panels(x, panels, None, 40)  # leading dims kept
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
     assert native.linear_panels(x[:0], panels, None, 40).shape == (0, 3, 40)
+    assert torch.equal(native.linear_panels_float(x, panels, None, 40), got.float())
+    empty = native.linear_panels_float(x[:0], panels, None, 40)
+    assert empty.shape == (0, 3, 40) and empty.dtype == torch.float32
     strided = torch.randn(64, 5).to(torch.bfloat16).T  # non-unit inner stride: copied first
     torch.testing.assert_close(
         native.linear_panels(strided, panels, None, 40),
@@ -695,6 +701,10 @@ def test_linear_bf16_panels_shapes_and_refusals(monkeypatch):
     with native.torch_linears():  # benches: torch's F.linear on the unpacked weight
         assert torch.equal(
             native.linear_panels(x, panels, None, 40), torch.nn.functional.linear(x, w)
+        )
+        assert torch.equal(
+            native.linear_panels_float(x, panels, None, 40),
+            torch.nn.functional.linear(x, w).float(),
         )
     ids = torch.tensor([0, 39, 31, 32, 5])  # a tied embedding's rows, across panels
     assert torch.equal(native.linear_panel_rows(panels, ids), w[ids])

@@ -184,6 +184,10 @@ def test_worker_packs_bf16_linears_at_load(bf16_panels, tiny_model_dir, name):
     assert all(m.weight_panels is not None for m in [*linears, head])
     assert head.weight_panels.dtype == torch.bfloat16 and head.weight_panels.dim() == 4
     assert (embed.weight_panels is head.weight_panels) == (name == "llama_tied")
+    # the head writes float32 logits directly: the bf16 products, widened
+    h = torch.randn(5, head.embedding_dim).to(torch.bfloat16)
+    logits = head(h)
+    assert logits.dtype == torch.float32 and torch.equal(logits, head._linear(h, None).float())
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3, 11]]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
     packed = llm.generate(prompts, params)

@@ -110,7 +110,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`hidden_states [n, dim] -> logits [n, vocab_size]` float32, full vocab on every rank."""
+        """`hidden_states [n, dim] -> logits [n, vocab_size]` float32, full vocab on every
+        rank: the weight's dtype's products, widened (bf16 panels write them as float32
+        directly)."""
+        if self.weight_panels is not None and not self.tp.is_parallel:
+            return native.linear_panels_float(
+                hidden_states, self.weight_panels, None, self.packed_out_features
+            )
         logits = self._linear(hidden_states, None)  # [n, vocab / T]
         if self.tp.is_parallel:
             logits = self.tp.all_gather(logits, dim=-1)  # [n, vocab rounded up]
