@@ -142,17 +142,22 @@ class RequestStates:
             c = state.num_computed_tokens
             tokens = state.token_ids
             end = c + n
-            if end <= len(tokens):
-                input_ids[start : start + n] = tokens[c:end]
-            else:  # draft tokens ride after the known ones
-                known = tokens[c:]
-                input_ids[start : start + len(known)] = known
-                input_ids[start + len(known) : start + n] = spec[rid][: n - len(known)]
-            pos = positions[start : start + n]
-            pos[:] = np.arange(c, end)
             table = state.block_ids
-            table_np = np.asarray(table, dtype=np.int64)
-            slots[start : start + n] = table_np[pos // bs] * bs + pos % bs
+            if n == 1 and c < len(tokens):  # a decode: scalars, no arrays (~4 us a request)
+                input_ids[start] = tokens[c]
+                positions[start] = c
+                slots[start] = table[c // bs] * bs + c % bs
+            else:
+                if end <= len(tokens):
+                    input_ids[start : start + n] = tokens[c:end]
+                else:  # draft tokens ride after the known ones
+                    known = tokens[c:]
+                    input_ids[start : start + len(known)] = known
+                    input_ids[start + len(known) : start + n] = spec[rid][: n - len(known)]
+                pos = positions[start : start + n]
+                pos[:] = np.arange(c, end)
+                table_np = np.asarray(table, dtype=np.int64)
+                slots[start : start + n] = table_np[pos // bs] * bs + pos % bs
             tables.append(table)
             width = max(width, len(table))
             start += n
