@@ -340,14 +340,16 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     )
     worst = GaugeMetricFamily(
         "spur:kv_request_held_over_geometry_max",
-        "The highest held/geometry of any one running request over the engine's capacity "
-        "samples (every 0.25 s) since its last report (about a second); "
+        "The highest held/geometry of any one running request since the engine's last "
+        "report (about a second): over its capacity samples (every 0.25 s) and, above 1, "
+        "over every step (the leak detector); "
         "spur:kv_held_over_geometry_peak keeps the worst since start.",
         labels=group_labels,
     )
     peak = GaugeMetricFamily(
         "spur:kv_held_over_geometry_peak",
-        "Highest per-request held/geometry seen since the engine started.",
+        "Highest per-request held/geometry seen since the engine started (above 1: at "
+        "any step, from the leak detector).",
         labels=group_labels,
     )
     claimed = GaugeMetricFamily(

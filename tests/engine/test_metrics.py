@@ -144,6 +144,23 @@ def test_a_short_leak_reaches_the_next_report() -> None:
     assert g["worst_ratio"] == 2.5
 
 
+def test_a_leak_between_two_capacity_samples_reaches_the_peak() -> None:
+    """The capacity view is sampled (every 0.25 s served): a leak that begins and ends
+    between two samples still reaches the peak and the report's worst ratio, from the
+    leak detector, which checks every scheduled request at every step. Here the only
+    samples are the first step's and the idle end's, both under 2."""
+    core, sched, _ = make_engine(num_blocks=256, budget=64, block_size=4)
+    break_retirement(sched.kv, 1)
+    metrics = EngineMetrics(max_model_len=256, capacity_period_s=1e9, clock=Clock())
+    _, ratios = drive(core, sched, metrics, prompts(2, 8), max_tokens=24, check=False)
+    assert ratios and max(ratios) < 2.0  # what the samples saw
+    (g,) = metrics.snapshot()["capacity"]
+    assert g["peak_ratio"] > 2.0 and g["worst_ratio"] > 2.0
+    assert metrics.leak_violations == 2
+    (g,) = metrics.snapshot()["capacity"]  # a new window: no step since
+    assert g["worst_ratio"] < 2.0 and g["peak_ratio"] > 2.0
+
+
 def test_capacity_view_and_info() -> None:
     core, sched, _ = make_engine(num_blocks=65, block_size=4, max_model_len=64)
     req = sched.make_request("a", list(range(10)), SamplingParams(max_tokens=4))

@@ -87,11 +87,20 @@ class LeakReport:
 @dataclass
 class LeakDetector:
     """Counts requests whose blocks exceed the per-request bound; each request
-    is reported (logged) once. `num_violations` becomes a metric."""
+    is reported (logged) once. `num_violations` becomes a metric. `worst` holds, per
+    group, the highest held / bound of a request seen over its bound at any step since
+    the engine's metrics last took it (`take_worst`): the metrics' capacity samples
+    (every 0.25 s) miss a leak shorter than that."""
 
     num_violations: int = 0
     reports: list[LeakReport] = field(default_factory=list)
     _flagged: set[str] = field(default_factory=set)
+    worst: dict[int, float] = field(default_factory=dict)
+
+    def take_worst(self) -> dict[int, float]:
+        """Group id -> the highest held / bound over a bound since the last call."""
+        worst, self.worst = self.worst, {}
+        return worst
 
 
 Hits = list[list[KVCacheBlock]]
@@ -318,6 +327,8 @@ class KVCacheManager:
             held = manager.num_held(request.request_id)
             if held > bound:
                 ok = False
+                worst = self.leaks.worst
+                worst[g] = max(worst.get(g, 0.0), held / bound)
                 self._report(request.request_id, g, held, bound, slots)
         return ok
 

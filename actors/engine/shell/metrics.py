@@ -324,6 +324,15 @@ class EngineMetrics:
             for g in self.capacity:
                 self.peak_ratio[g.group_id] = max(self.peak_ratio[g.group_id], g.worst)
                 worst[g.group_id] = max(worst[g.group_id], g.worst)
+        # Requests over their bound, seen by the leak detector at every step (between
+        # two capacity samples too): the peak and the window's worst see each of them.
+        leaks = getattr(scheduler.kv, "leaks", None)
+        if leaks is not None and leaks.worst:
+            for g, ratio in leaks.take_worst().items():
+                for ratios in (self.peak_ratio, self._worst_since_snapshot):
+                    if len(ratios) <= g:  # sized as the capacity samples size them
+                        ratios.extend([0.0] * (max(g + 1, len(self.capacity)) - len(ratios)))
+                    ratios[g] = max(ratios[g], ratio)
 
     def finish(self, req_id: str, reason: str) -> None:
         """A request finished outside the core's outputs (a stop string matched by
