@@ -41,6 +41,8 @@
 //       -> [M, n] bfloat16, any M, K even, AVX-512 BF16 builds: the bf16 weight
 //       packed once at load in pairs (native.pack_linear_bf16); one rounding. With
 //       float_out=True: [M, n] float32 holding the same bf16-rounded values.
+//   panel_rows(panels, ids [n] int64) -> [n, K]: rows `ids` of a weight packed into
+//       bf16 or float32 panels (a tied embedding's lookup), bit for bit.
 //   decoder_stack(hidden, positions, cos_sin, kv_caches, slots, norms, panels, ...)
 //       every layer of a Llama decoder on the ops above, in one call (see there).
 // Each rounds where its torch reference rounds (bf16: after every op), so bf16
@@ -2066,6 +2068,39 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Rows `ids` of a weight packed into panels (an embedding lookup on a tied LM head's
+// weight): bf16 [P, K / 2, W, 2] (a pair of bf16 as one 32-bit word) or float32
+// [P, K, W], W output features a panel; row id is lane id % W of panel id / W, its
+// K / 2 (K) words W apart. -> [n, K] in the panels' dtype, bit for bit those rows.
+// A step's embedding lookup, its rows cold after the LM head streamed the weight:
+// 27-37 us at 16-64 rows against 81-106 us for torch's advanced indexing of the
+// same words (/work/runs/s55/emb2.py).
+at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids) {
+  const bool bf16 = panels.dim() == 4;
+  TORCH_CHECK(panels.is_contiguous() &&
+                  ((bf16 && panels.scalar_type() == at::kBFloat16 && panels.size(3) == 2) ||
+                   (panels.dim() == 3 && panels.scalar_type() == at::kFloat)),
+              "panel_rows: panels must be contiguous bf16 [P, K / 2, W, 2] or float32 [P, K, W]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "panel_rows: ids must be a contiguous int64 vector");
+  const int64_t P = panels.size(0), R = panels.size(1), W = panels.size(2), n = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < P * W, "panel_rows: id ", ip[i], " outside [0, ",
+                P * W, ")");
+  at::Tensor out = at::empty({n, bf16 ? 2 * R : R}, panels.options());
+  const int32_t* src = reinterpret_cast<const int32_t*>(panels.data_ptr());
+  int32_t* dst = reinterpret_cast<int32_t*>(out.data_ptr());
+  at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int32_t* s = src + (ip[i] / W) * R * W + ip[i] % W;
+      int32_t* d = dst + i * R;
+      for (int64_t r = 0; r < R; ++r) d[r] = s[r * W];
+    }
+  });
+  return out;
+}
+
 int64_t parallel_team(int64_t n) {
   std::vector<std::atomic<int>> seen(std::max<int64_t>(at::get_num_threads(), 1));
   for (auto& x : seen) x = 0;
@@ -2168,6 +2203,7 @@ TORCH_LIBRARY(spur_cpu, m) {
         "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
   m.def("small_linear_supported() -> bool", &small_linear_supported);
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_f32_supported() -> bool", &linear_f32_supported);
@@ -2194,6 +2230,7 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("panel_rows", &panel_rows);
   m.impl("small_linear", &small_linear);
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_f32_panels", &linear_f32_panels);

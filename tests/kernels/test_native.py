@@ -720,6 +720,30 @@ def test_linear_bf16_panels_shapes_and_refusals(monkeypatch):
         lib.linear_bf16_panels(torch.randn(2, 63).to(torch.bfloat16), panels, None, 40)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_rows_are_the_weights_rows(monkeypatch, dtype):
+    """A tied embedding's lookup on the packed LM head weight: the rows bit for bit, in
+    both layouts, for ids in any panel and lane, in the ids' shape; ids past the
+    panels raise and name the range."""
+    packed = _panels_lib if dtype == torch.float32 else _bf16_panels_lib
+    lib = packed(monkeypatch)
+    w = torch.randn(1000, 576).to(dtype)  # 1000 rows: a partial last panel
+    panels = native.pack_linear(w)
+    assert panels is not None
+    ids = torch.cat([torch.tensor([0, 31, 32, 999]), torch.randint(0, 1000, (60,))])
+    assert torch.equal(native.linear_panel_rows(panels, ids), w[ids])
+    assert torch.equal(lib.panel_rows(panels, ids), w[ids])
+    grid = ids[:60].view(6, 10)  # leading dims kept, as F.embedding keeps them
+    assert torch.equal(native.linear_panel_rows(panels, grid), w[grid])
+    assert native.linear_panel_rows(panels, ids[:0]).shape == (0, 576)
+    rows = panels.shape[0] * panels.shape[2]
+    for bad in (-1, rows):
+        with pytest.raises(RuntimeError, match=rf"id {bad} outside \[0, {rows}\)"):
+            lib.panel_rows(panels, torch.tensor([3, bad]))
+    with pytest.raises(RuntimeError, match="int64"):
+        lib.panel_rows(panels, ids.to(torch.int32))
+
+
 def test_bf16_panels_are_not_packed_with_amx():
     """With AMX oneDNN's tiles serve bf16 batches, so the weights stay [N, K]."""
     assert native.bf16_panels_serve(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) is False
