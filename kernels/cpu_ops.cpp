@@ -2074,7 +2074,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // K / 2 (K) words W apart. -> [n, K] in the panels' dtype, bit for bit those rows.
 // A step's embedding lookup, its rows cold after the LM head streamed the weight:
 // 27-37 us at 16-64 rows against 81-106 us for torch's advanced indexing of the
-// same words (/work/runs/s55/emb2.py).
+// same words (BENCHMARKS.md, thirty-eighth round).
 at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids) {
   const bool bf16 = panels.dim() == 4;
   TORCH_CHECK(panels.is_contiguous() &&

@@ -489,13 +489,6 @@ def unpack_linear_f32(panels: torch.Tensor, n: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(p * pw, k)[:n].contiguous()
 
 
-def linear_f32_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids [n]` (int64, each in [0, N)) of the weight packed into `panels`
-    [P, K, PW] -> [n, K]: an embedding lookup on a tied LM head's packed weight."""
-    pw = panels.shape[2]
-    return panels[ids // pw, :, ids % pw]
-
-
 def linear_f32_panels(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
@@ -590,17 +583,10 @@ def unpack_linear(panels: torch.Tensor, n: int) -> torch.Tensor:
 def linear_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids [n]` (int64, each in [0, N)) of the weight `pack_linear` packed into
     `panels` -> [n, K]: an embedding lookup on a tied LM head's packed weight, by the
-    native `panel_rows` (panels exist only where the extension is built; ids past N
-    read the zero padding, ids past it raise)."""
-    lib = ops()
-    if lib is not None:
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        rows = lib.panel_rows(panels, flat)
-        return rows.view(*ids.shape, rows.shape[-1])
-    if panels.dim() == 4:  # [P, K / 2, 32, 2]: a pair of bf16 as one 32-bit word
-        words = panels.view(torch.int32)  # [P, K / 2, 32, 1]
-        return words[ids // 32, :, ids % 32, 0].view(torch.bfloat16)
-    return linear_f32_panel_rows(panels, ids)
+    native `panel_rows` (panels exist only where the extension is built, as for
+    `linear_panels`; ids past N read the zero padding, ids past it raise)."""
+    rows = ops().panel_rows(panels, ids.reshape(-1).to(torch.int64).contiguous())
+    return rows.view(*ids.shape, rows.shape[-1])
 
 
 def linear_panels(
