@@ -1535,7 +1535,7 @@ constexpr int kBf16MR = 12;
 template <int MR, int KS, typename Y>
 inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* bp,
                            const float* bias_p, int64_t K, Y* y, int64_t y_row, int cols,
-                           const bf16* next) {
+                           const char* pf, int64_t pf_lines) {
   __m512 c[KS][2 * MR];
   const __m512 b0 = _mm512_load_ps(bias_p), b1 = _mm512_load_ps(bias_p + 16);
   for (int i = 0; i < MR; ++i) c[0][2 * i] = b0, c[0][2 * i + 1] = b1;
@@ -1544,16 +1544,22 @@ inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* b
   const bf16* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = x + (int64_t)std::min(i, rows - 1) * x_row;
   const int64_t pairs = K / 2, part = (pairs + KS - 1) / KS;
+  // pf_lines cache lines from pf (a share of the next panel) asked for into L2, spread
+  // evenly over the tile's pairs: at most 2 a pair, one a pf_acc overflow
+  int64_t pf_acc = 0;
 #pragma GCC unroll 4
   for (int s = 0; s < KS; ++s) {
     const int64_t pe = std::min(pairs, (s + 1) * part);
     for (int64_t q = s * part; q < pe; ++q) {
       const bf16* wq = bp + q * 64;
-      if (next != nullptr) {
+      if (pf_lines > 0) {
         // the next panel into L2 (T1): at decode's 16-64 rows the LM head ran 1.1-1.4x
         // faster than with T0, neutral from 96 rows up (nineteenth round)
-        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + q * 64 + 32), _MM_HINT_T1);
+        pf_acc += pf_lines;
+        while (pf_acc >= pairs) {
+          _mm_prefetch(pf, _MM_HINT_T1);
+          pf += 64, pf_acc -= pairs;
+        }
       }
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq));
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq + 32));
@@ -1601,14 +1607,20 @@ template <int MR, int KS, typename Y>
 void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
                       const float* bias_p, int64_t K, Y* y, int64_t N, int cols,
                       const bf16* next) {
-  // The first tile streams the panel from memory. The last one asks for the next panel
-  // meanwhile, if there were tiles before it or it has 8 rows or more: a tile of fewer
-  // rows is bound by the stream itself, and a second one only competes with it
-  // (1.0-1.8x at 8-64 rows, 0.9x at 1-4 rows of K = 1536; BENCHMARKS.md, sixteenth round).
-  for (int64_t m = 0; m < M; m += MR) {
+  // While the tiles work on this panel they ask for the next one (its K cache lines), a
+  // share of its lines in each tile, so that the stream overlaps all of the panel's
+  // arithmetic: asked for by the last tile only, a 16-row panel cost its first tile's
+  // arithmetic plus the whole stream, and 13-20 rows ran 1.1-1.45x slower from memory
+  // (BENCHMARKS.md, thirty-ninth round). A single tile of fewer than 8 rows asks for
+  // nothing: it is bound by its own stream, and a second one only competes with it
+  // (0.9x at 1-4 rows of K = 1536; sixteenth round).
+  const int64_t tiles = (M + MR - 1) / MR;
+  const int64_t lines = next != nullptr && (tiles > 1 || M >= 8) ? K : 0;
+  for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
     const int rows = (int)std::min<int64_t>(MR, M - m);
-    const bf16* pf = m + MR >= M && (m > 0 || rows >= 8) ? next : nullptr;
-    gemm_bf16_tile<MR, KS>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols, pf);
+    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+    gemm_bf16_tile<MR, KS>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols,
+                           reinterpret_cast<const char*>(next) + l0 * 64, l1 - l0);
   }
 }
 
