@@ -1762,14 +1762,25 @@ constexpr int kPackMR = LinearVec::W == 16 ? 12 : 6;
 
 template <class V, int MR>
 inline void gemm_f32_tile(const float* x, int64_t x_row, int rows, const float* bp,
-                          const float* bias_p, int64_t K, float* y, int64_t y_row, int cols) {
+                          const float* bias_p, int64_t K, float* y, int64_t y_row, int cols,
+                          const char* pf, int64_t pf_lines) {
   constexpr int W = V::W;
   typename V::T c[2 * MR];
   const typename V::T b0 = V::load(bias_p), b1 = V::load(bias_p + W);
   for (int i = 0; i < MR; ++i) c[2 * i] = b0, c[2 * i + 1] = b1;
   const float* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = x + (int64_t)std::min(i, rows - 1) * x_row;
+  // pf_lines cache lines from pf (a share of the next panel) into L2, spread evenly
+  // over K (as gemm_bf16_tile does; at most 2 a k)
+  int64_t pf_acc = 0;
   for (int64_t k = 0; k < K; ++k, bp += 2 * W) {
+    if (pf_lines > 0) {
+      pf_acc += pf_lines;
+      while (pf_acc >= K) {
+        _mm_prefetch(pf, _MM_HINT_T1);
+        pf += 64, pf_acc -= K;
+      }
+    }
     const typename V::T w0 = V::load(bp), w1 = V::load(bp + W);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
@@ -1796,10 +1807,17 @@ inline void gemm_f32_tile(const float* x, int64_t x_row, int rows, const float* 
 
 template <class V, int MR>
 void panel_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias_p,
-                 int64_t K, float* y, int64_t N, int cols) {
-  for (int64_t m = 0; m < M; m += MR) {
+                 int64_t K, float* y, int64_t N, int cols, const float* next) {
+  // the next panel's lines, a share in each tile, as bf16_panel_tiles asks for them (a
+  // single tile of 1-2 rows ran 0.86-0.93x with them, so under 8 rows it asks for none)
+  const int64_t tiles = (M + MR - 1) / MR;
+  const int64_t lines =
+      next != nullptr && (tiles > 1 || M >= 8) ? K * 2 * V::W * (int64_t)sizeof(float) / 64 : 0;
+  for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
     const int rows = (int)std::min<int64_t>(MR, M - m);
-    gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols);
+    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+    gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols,
+                         reinterpret_cast<const char*>(next) + l0 * 64, l1 - l0);
   }
 }
 
@@ -1808,7 +1826,8 @@ void panel_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, cons
 // 8), so no tile computes rows it throws away; the first tile reads the panel, the
 // later ones find it in L2 (K x PW floats: 72 KiB at K = 576, 192 KiB at K = 1536).
 void panel_product(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias,
-                   int64_t n0, int cols, int64_t K, float* y, int64_t N) {
+                   int64_t n0, int cols, int64_t K, float* y, int64_t N,
+                   const float* next = nullptr) {
   using V = LinearVec;
   constexpr int PW = 2 * V::W;
   alignas(64) float bias_p[PW];
@@ -1817,12 +1836,12 @@ void panel_product(const float* x, int64_t x_row, int64_t M, const float* bp, co
   float* yp = y + n0;
   switch ((M + tiles - 1) / tiles) {
 #define SPUR_PANEL_CASE(R) \
-  case R: panel_tiles<V, (R <= kPackMR ? R : kPackMR)>(x, x_row, M, bp, bias_p, K, yp, N, cols); break;
+  case R: panel_tiles<V, (R <= kPackMR ? R : kPackMR)>(x, x_row, M, bp, bias_p, K, yp, N, cols, next); break;
     SPUR_PANEL_CASE(1) SPUR_PANEL_CASE(2) SPUR_PANEL_CASE(3) SPUR_PANEL_CASE(4)
     SPUR_PANEL_CASE(5) SPUR_PANEL_CASE(6) SPUR_PANEL_CASE(7) SPUR_PANEL_CASE(8)
     SPUR_PANEL_CASE(9) SPUR_PANEL_CASE(10) SPUR_PANEL_CASE(11)
 #undef SPUR_PANEL_CASE
-    default: panel_tiles<V, kPackMR>(x, x_row, M, bp, bias_p, K, yp, N, cols);
+    default: panel_tiles<V, kPackMR>(x, x_row, M, bp, bias_p, K, yp, N, cols, next);
   }
 }
 
@@ -1851,18 +1870,23 @@ void linear_f32_packed(const float* x, const float* w, const float* bias, float*
 
 // The same panels packed once, at load (native.pack_linear_f32): [P, K, PW] of PW = 2 x
 // W columns, k-major, zeros past N; every row count (decode's and prefill's) reads
-// them. Each panel is read from memory once, in address order (the hardware's stream
-// prefetch runs ahead of it). No horizontal sums: every FMA adds a broadcast x
+// them. Each panel is read from memory once, in address order, and asked for into L2
+// while the panel before it is computed (panel_tiles): with the hardware's stream
+// prefetch alone, 8-64 rows ran 1.1-1.3x slower on AVX-512 and 1.14-1.5x on AVX2
+// (BENCHMARKS.md, thirty-ninth round). No horizontal sums: every FMA adds a broadcast x
 // element times PW weights.
 void linear_f32_panels_typed(const float* x, const float* panels, const float* bias, float* y,
                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
   constexpr int PW = 2 * LinearVec::W;
   const int64_t P = (N + PW - 1) / PW;
-  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto&) {
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * PW;
+      // the panel after this one: this block's next, or the first of the thread's next
+      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
       panel_product(x, x_row, M, panels + p * K * PW, bias, n0,
-                    (int)std::min<int64_t>(PW, N - n0), K, y, N);
+                    (int)std::min<int64_t>(PW, N - n0), K, y, N,
+                    pn < P ? panels + pn * K * PW : nullptr);
     }
   });
 }
