@@ -146,6 +146,16 @@ void parallel_blocks(int64_t n, int64_t grain, const F& f) {
   });
 }
 
+// A panel kernel's outputs straight into y [M, N] (a linear layer).
+template <typename Y>
+struct IntoY {
+  Y* y;
+  int64_t N;
+  Y* at(int64_t n0) const { return y + n0; }
+  int64_t stride() const { return N; }
+  void done(int64_t, int) const {}
+};
+
 // ----------------------------------------------------------------- decode attention
 //
 // One task = one (decode, KV head) pair: its G = Hq / Hkv query heads against the
@@ -1625,13 +1635,16 @@ void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
 }
 
 // Y: bf16, or float32 holding the same bf16-rounded values (the LM head's logits,
-// without a second pass to widen them).
-template <typename Y>
-void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bias, Y* y,
-                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
+// without a second pass to widen them). sink.at(n0) is where panel n0's outputs go
+// (rows sink.stride() apart), sink.done(n0, cols) runs once they are there (IntoY,
+// ArgmaxSink).
+template <typename Y, typename Sink>
+void bf16_panels_run(const bf16* x, const bf16* panels, const bf16* bias, const Sink& sink,
+                     int64_t M, int64_t N, int64_t K, int64_t x_row) {
   const int64_t P = (N + 31) / 32;
   const int64_t tiles = (M + kBf16MR - 1) / kBf16MR;
   const int mr = (int)((M + tiles - 1) / tiles);  // rows split into even tiles
+  const int64_t ys = sink.stride();
   parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * 32;
@@ -1642,18 +1655,25 @@ void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bia
       // the panel after this one: this block's next, or the first of the thread's next block
       const int64_t pn = p + 1 < pe ? p + 1 : ahead();
       const bf16* next = pn < P ? panels + pn * K * 32 : nullptr;
-      Y* yp = y + n0;
+      Y* yp = sink.at(n0);
       switch (mr) {
 #define SPUR_BF16_CASE(R, KS) \
-  case R: bf16_panel_tiles<R, KS>(x, x_row, M, bp, bias_p, K, yp, N, cols, next); break;
+  case R: bf16_panel_tiles<R, KS>(x, x_row, M, bp, bias_p, K, yp, ys, cols, next); break;
         SPUR_BF16_CASE(1, 4) SPUR_BF16_CASE(2, 3) SPUR_BF16_CASE(3, 2) SPUR_BF16_CASE(4, 2)
         SPUR_BF16_CASE(5, 1) SPUR_BF16_CASE(6, 1) SPUR_BF16_CASE(7, 1) SPUR_BF16_CASE(8, 1)
         SPUR_BF16_CASE(9, 1) SPUR_BF16_CASE(10, 1) SPUR_BF16_CASE(11, 1)
 #undef SPUR_BF16_CASE
-        default: bf16_panel_tiles<kBf16MR, 1>(x, x_row, M, bp, bias_p, K, yp, N, cols, next);
+        default: bf16_panel_tiles<kBf16MR, 1>(x, x_row, M, bp, bias_p, K, yp, ys, cols, next);
       }
+      sink.done(n0, cols);
     }
   });
+}
+
+template <typename Y>
+void linear_bf16_panels_typed(const bf16* x, const bf16* panels, const bf16* bias, Y* y,
+                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
+  bf16_panels_run<Y>(x, panels, bias, IntoY<Y>{y, N}, M, N, K, x_row);
 }
 #else
 constexpr bool kSmallLinear = false;
@@ -1826,14 +1846,13 @@ void panel_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, cons
 // 8), so no tile computes rows it throws away; the first tile reads the panel, the
 // later ones find it in L2 (K x PW floats: 72 KiB at K = 576, 192 KiB at K = 1536).
 void panel_product(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias,
-                   int64_t n0, int cols, int64_t K, float* y, int64_t N,
+                   int64_t n0, int cols, int64_t K, float* yp, int64_t N,
                    const float* next = nullptr) {
   using V = LinearVec;
   constexpr int PW = 2 * V::W;
   alignas(64) float bias_p[PW];
   for (int j = 0; j < PW; ++j) bias_p[j] = j < cols && bias ? bias[n0 + j] : 0.0f;
   const int64_t tiles = (M + kPackMR - 1) / kPackMR;
-  float* yp = y + n0;
   switch ((M + tiles - 1) / tiles) {
 #define SPUR_PANEL_CASE(R) \
   case R: panel_tiles<V, (R <= kPackMR ? R : kPackMR)>(x, x_row, M, bp, bias_p, K, yp, N, cols, next); break;
@@ -1863,7 +1882,7 @@ void linear_f32_packed(const float* x, const float* w, const float* bias, float*
           for (int64_t k = 0; k < K; ++k) bp[k * PW + j] = 0.0f;
         }
       }
-      panel_product(x, x_row, M, bp, bias, n0, cols, K, y, N);
+      panel_product(x, x_row, M, bp, bias, n0, cols, K, y + n0, N);
     }
   });
 }
@@ -1875,20 +1894,27 @@ void linear_f32_packed(const float* x, const float* w, const float* bias, float*
 // prefetch alone, 8-64 rows ran 1.1-1.3x slower on AVX-512 and 1.14-1.5x on AVX2
 // (BENCHMARKS.md, thirty-ninth round). No horizontal sums: every FMA adds a broadcast x
 // element times PW weights.
-void linear_f32_panels_typed(const float* x, const float* panels, const float* bias, float* y,
-                             int64_t M, int64_t N, int64_t K, int64_t x_row) {
+template <typename Sink>
+void f32_panels_run(const float* x, const float* panels, const float* bias, const Sink& sink,
+                    int64_t M, int64_t N, int64_t K, int64_t x_row) {
   constexpr int PW = 2 * LinearVec::W;
   const int64_t P = (N + PW - 1) / PW;
   parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * PW;
+      const int cols = (int)std::min<int64_t>(PW, N - n0);
       // the panel after this one: this block's next, or the first of the thread's next
       const int64_t pn = p + 1 < pe ? p + 1 : ahead();
-      panel_product(x, x_row, M, panels + p * K * PW, bias, n0,
-                    (int)std::min<int64_t>(PW, N - n0), K, y, N,
-                    pn < P ? panels + pn * K * PW : nullptr);
+      panel_product(x, x_row, M, panels + p * K * PW, bias, n0, cols, K, sink.at(n0),
+                    sink.stride(), pn < P ? panels + pn * K * PW : nullptr);
+      sink.done(n0, cols);
     }
   });
+}
+
+void linear_f32_panels_typed(const float* x, const float* panels, const float* bias, float* y,
+                             int64_t M, int64_t N, int64_t K, int64_t x_row) {
+  f32_panels_run(x, panels, bias, IntoY<float>{y, N}, M, N, K, x_row);
 }
 #else
 constexpr bool kLinearF32 = false;
@@ -2104,6 +2130,130 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ----------------------------------------------------------------- greedy LM head
+//
+// panels_argmax(x [M, K], panels, n) -> [M] int64: argmax_rows(linear_panels_float(x,
+// panels, None, n)) bit for bit (the first maximal logit, NaN the largest, rows of -inf
+// 0), the greedy tokens of an LM head without its [M, n] logits: the panels' outputs
+// go to a buffer of one panel a thread ([M, W] floats, in L1) and are folded into 16
+// lanes a row of first maxima, panel by panel in ascending order (a thread's blocks
+// ascend); lanes and threads then merge by value, then by the lowest index, as
+// argmax_row's lanes do. A greedy step so writes no float32 logits and reads none back
+// (BENCHMARKS.md, thirty-ninth round). AVX-512 builds only (native.py asks first).
+#ifdef SPUR_AVX512
+constexpr bool kPanelsArgmax = true;
+
+struct ArgmaxLanes {
+  std::vector<float> buf, v;     // [M, W] one panel's outputs; [M, 16] lane maxima
+  std::vector<int32_t> i, nan;   // [M, 16] their indices; [M] first NaN (INT32_MAX: none)
+  void fit(int64_t M, int W) {
+    buf.assign((size_t)(M * W), 0.0f);
+    const uint32_t neg_inf = 0xff800000u;  // -inf (this file is built with -ffast-math)
+    float lowest;
+    std::memcpy(&lowest, &neg_inf, sizeof(lowest));
+    v.assign((size_t)(M * 16), lowest);
+    i.assign((size_t)(M * 16), INT32_MAX);
+    nan.assign((size_t)M, INT32_MAX);
+  }
+};
+
+struct ArgmaxSink {
+  std::vector<ArgmaxLanes>* lanes;
+  int64_t M;
+  int W;
+  float* at(int64_t) const { return (*lanes)[at::get_thread_num()].buf.data(); }
+  int64_t stride() const { return W; }
+  void done(int64_t n0, int cols) const {
+    ArgmaxLanes& a = (*lanes)[at::get_thread_num()];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* row = a.buf.data() + m * W;
+      __m512 bv = _mm512_loadu_ps(a.v.data() + m * 16);
+      __m512i bi = _mm512_loadu_si512(a.i.data() + m * 16);
+      for (int h = 0; 16 * h < cols; ++h) {
+        const int left = cols - 16 * h;
+        const __mmask16 valid = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(valid, row + 16 * h);
+        const __mmask16 nans = valid & _mm512_cmpgt_epi32_mask(
+            _mm512_and_si512(_mm512_castps_si512(x), abs_mask), inf_bits);
+        if (nans) {
+          const int32_t k = (int32_t)(n0 + 16 * h + __builtin_ctz(nans));
+          if (k < a.nan[m]) a.nan[m] = k;
+        }
+        // strictly greater: a lane keeps its first maximum (its values come in order);
+        // from -inf, so a lane of -inf keeps no index (a row of them gives 0)
+        const __mmask16 take = valid & _mm512_cmp_ps_mask(x, bv, _CMP_GT_OQ);
+        bv = _mm512_mask_mov_ps(bv, take, x);
+        bi = _mm512_mask_mov_epi32(bi, take, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(n0 + 16 * h))));
+      }
+      _mm512_storeu_ps(a.v.data() + m * 16, bv);
+      _mm512_storeu_si512(a.i.data() + m * 16, bi);
+    }
+  }
+};
+#else
+constexpr bool kPanelsArgmax = false;
+#endif
+
+bool panels_argmax_supported() { return kPanelsArgmax; }
+
+at::Tensor panels_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(kPanelsArgmax, "panels_argmax: built without AVX-512 (native.py checks "
+              "panels_argmax_supported first)");
+  TORCH_CHECK(n >= 1 && n < ((int64_t)1 << 31), "panels_argmax: n must be in [1, 2^31)");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+#ifdef SPUR_AVX512
+  const bool bf = panels.dim() == 4;
+  const int W = bf ? 32 : (int)linear_f32_panel_width();
+  if (bf) {
+    TORCH_CHECK(kSmallLinear && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                    x.stride(1) == 1 && x.size(0) >= 1 && x.size(1) % 2 == 0 &&
+                    panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                    panels.size(0) == (n + 31) / 32 && panels.size(1) == x.size(1) / 2 &&
+                    panels.size(2) == 32 && panels.size(3) == 2,
+                "panels_argmax: x [M, K] bfloat16 (unit inner stride, even K) and panels "
+                "[ceil(n / 32), K / 2, 32, 2] bfloat16 (native.pack_linear_bf16's layout)");
+  } else {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                    x.size(0) >= 1 && panels.dim() == 3 && panels.scalar_type() == at::kFloat &&
+                    panels.is_contiguous() && panels.size(1) == x.size(1) &&
+                    panels.size(2) == W && panels.size(0) == (n + W - 1) / W,
+                "panels_argmax: x [M, K] float32 (unit inner stride) and panels [ceil(n / ",
+                W, "), K, ", W, "] float32 (native.pack_linear_f32's layout)");
+  }
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<ArgmaxLanes> lanes(std::max<int64_t>(at::get_num_threads(), 1));
+  for (auto& a : lanes) a.fit(M, W);
+  const ArgmaxSink sink{&lanes, M, W};
+  if (bf) {
+#ifdef __AVX512BF16__
+    bf16_panels_run<float>(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), nullptr, sink, M, n, K,
+                           x.stride(0));
+#endif
+  } else {
+    f32_panels_run(x.data_ptr<float>(), panels.data_ptr<float>(), nullptr, sink, M, n, K,
+                   x.stride(0));
+  }
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t nan = INT32_MAX, best_i = INT32_MAX;
+    float best = 0.0f;
+    for (const auto& a : lanes) {
+      nan = std::min(nan, a.nan[m]);
+      for (int l = 0; l < 16; ++l) {
+        const int32_t id = a.i[m * 16 + l];
+        if (id == INT32_MAX) continue;
+        const float val = a.v[m * 16 + l];
+        if (best_i == INT32_MAX || val > best || (val == best && id < best_i)) best = val, best_i = id;
+      }
+    }
+    op[m] = nan != INT32_MAX ? nan : best_i != INT32_MAX ? best_i : 0;
+  }
+#endif
+  return out;
+}
+
 // Rows `ids` of a weight packed into panels (an embedding lookup on a tied LM head's
 // weight): bf16 [P, K / 2, W, 2] (a pair of bf16 as one 32-bit word) or float32
 // [P, K, W], W output features a panel; row id is lane id % W of panel id / W, its
@@ -2240,6 +2390,8 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
+  m.def("panels_argmax_supported() -> bool", &panels_argmax_supported);
+  m.def("panels_argmax(Tensor x, Tensor panels, int n) -> Tensor");
   m.def("small_linear_supported() -> bool", &small_linear_supported);
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_f32_supported() -> bool", &linear_f32_supported);
@@ -2267,6 +2419,7 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("panel_rows", &panel_rows);
+  m.impl("panels_argmax", &panels_argmax);
   m.impl("small_linear", &small_linear);
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_f32_panels", &linear_f32_panels);

@@ -610,6 +610,22 @@ def linear_panels_float(
     return _on_panels("linear_f32_panels", x, panels, bias, n)
 
 
+def panels_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor | None:
+    """`linear_panels_float(x, panels, None, n).argmax(-1)` without the logits: x [m, K]
+    -> [m] int64, the index of each row's first maximal output (NaN the largest, a row
+    of -inf 0), exactly `argmax_rows` of the logits (a greedy LM head; tests check it).
+    None where this build has no `panels_argmax` (AVX-512 builds have it) and under
+    `torch_linears`: the caller then computes the logits."""
+    lib = ops()
+    if lib is None or _state.get("torch_linears") or not _built(lib, "panels_argmax"):
+        return None
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    if x.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return lib.panels_argmax(x, panels, n)
+
+
 @contextmanager
 def torch_linears() -> Iterator[None]:
     """Within it `small_linear` returns None in this process: every linear layer runs
@@ -656,8 +672,8 @@ def _linear_f32_here() -> bool:
 
 
 def _built(lib: Any, op: str) -> bool:
-    """Whether this build has `op` (small_linear / linear_f32 / prefill_tiles: each for
-    one CPU class)."""
+    """Whether this build has `op` (small_linear / linear_f32 / prefill_tiles /
+    panels_argmax: each for one CPU class)."""
     built = _state.get(op)
     if built is None:
         built = _state[op] = bool(getattr(lib, f"{op}_supported")())

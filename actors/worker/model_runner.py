@@ -205,17 +205,28 @@ class ModelRunner:
         logprobs_out: dict[str, list[Logprobs]] | None = None
         if inputs.sampling_req_ids:
             idx = torch.from_numpy(inputs.logits_indices).to(dev)
-            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab] fp32
-            t3 = time.perf_counter()
-            if inputs.drafts:
-                per_req, row_lps = self._verify(logits, inputs.sampling_req_ids, inputs.drafts)
-            else:
-                meta_s = state.build(inputs.sampling_req_ids)
-                result = self.sampler(logits, meta_s)
-                tokens = result.sampled_token_ids.tolist()
+            meta_s = None if inputs.drafts else state.build(inputs.sampling_req_ids)
+            greedy = None
+            if meta_s is not None and not meta_s.needs_processing and meta_s.logprobs is None:
+                # a plain argmax of the raw logits: the LM head picks without writing them
+                greedy = self.model.greedy_ids(hidden[idx])  # [num_sampling] int64 | None
+            if greedy is not None:
+                t3 = time.perf_counter()
+                tokens = greedy.tolist()
                 state.append_sampled(inputs.sampling_req_ids, tokens)
                 per_req = [[t] for t in tokens]
-                row_lps = result.logprobs
+                row_lps = [None] * len(tokens)
+            else:
+                logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab] fp32
+                t3 = time.perf_counter()
+                if meta_s is None:
+                    per_req, row_lps = self._verify(logits, inputs.sampling_req_ids, inputs.drafts)
+                else:
+                    result = self.sampler(logits, meta_s)
+                    tokens = result.sampled_token_ids.tolist()
+                    state.append_sampled(inputs.sampling_req_ids, tokens)
+                    per_req = [[t] for t in tokens]
+                    row_lps = result.logprobs
             for rid, toks, lp in zip(inputs.sampling_req_ids, per_req, row_lps, strict=True):
                 sampled[rid] = toks
                 if lp is not None:

@@ -744,6 +744,50 @@ def test_panel_rows_are_the_weights_rows(monkeypatch, dtype):
         lib.panel_rows(panels, ids.to(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panels_argmax_is_the_argmax_of_the_logits(monkeypatch, dtype, threads):
+    """A greedy LM head without its logits: the index of each row's first maximal
+    output, exactly argmax_rows of linear_panels_float's logits, at decode's row counts
+    and past them, with ties across panels and lanes (the lowest index wins), a NaN
+    output (the first NaN wins) and rows of -inf (0), on one thread and on two (each
+    thread folds its own panels, then they merge)."""
+    packed = _panels_lib if dtype == torch.float32 else _bf16_panels_lib
+    lib = packed(monkeypatch)
+    if not lib.panels_argmax_supported():
+        assert native.panels_argmax(torch.randn(2, 8), torch.zeros(1, 8, 16), 16) is None
+        pytest.skip("this build has no panels_argmax (AVX-512 builds have it)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(7)
+        w = torch.randn(1000, 64, generator=g).to(dtype)  # 1000: a partial last panel
+        w[500] = w[3]  # equal logits at 3 and 500 (other panels, other lanes)
+        w[17] = w[3]  # and at 17 (the same panel, another lane)
+        panels = native.pack_linear(w)
+        for rows in (1, 5, 13, 64, 130):
+            x = torch.randn(rows, 64, generator=g).to(dtype)
+            x[0] = w[3]  # row 0's largest logit is the tie 3 = 17 = 500 (its own square)
+            want = lib.argmax_rows(native.linear_panels_float(x, panels, None, 1000))
+            got = native.panels_argmax(x, panels, 1000)
+            assert torch.equal(got, want), (rows, got, want)
+            assert int(got[0]) == 3
+        w_nan = w.clone()
+        w_nan[[640, 900]] = float("nan")
+        x = torch.randn(4, 64, generator=g).to(dtype)
+        p_nan = native.pack_linear(w_nan)
+        assert native.panels_argmax(x, p_nan, 1000).tolist() == [640] * 4
+        w_inf = torch.zeros(1000, 64, dtype=dtype)
+        w_inf[:, 0] = float("-inf")
+        x = torch.zeros(3, 64, dtype=dtype)
+        x[:, 0] = 1.0
+        assert native.panels_argmax(x, native.pack_linear(w_inf), 1000).tolist() == [0] * 3
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="panels_argmax: x"):
+        lib.panels_argmax(torch.randn(2, 32).to(dtype), panels, 1000)  # K 32, panels' 64
+
+
 def test_bf16_panels_are_not_packed_with_amx():
     """With AMX oneDNN's tiles serve bf16 batches, so the weights stay [N, K]."""
     assert native.bf16_panels_serve(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) is False

@@ -5,6 +5,8 @@ worker packs what it loads on a CPU where spur's float32 linear serves."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,3 +199,50 @@ def test_worker_packs_bf16_linears_at_load(bf16_panels, tiny_model_dir, name):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert x.sampled == pytest.approx(y.sampled, abs=0.05)
+
+
+def _greedy_in_the_head(llm, model, monkeypatch, torch_path):
+    """Greedy requests without logprobs pick their token in the LM head (no logits);
+    a request with logprobs, or a sampled one, still gets logits; the tokens are the
+    [N, K] weights' (unpacked_linears: logits, then the sampler's argmax)."""
+    from spur.actors.step import SamplingParams
+
+    calls: list[int] = []
+    fused = native.panels_argmax
+
+    def counting(x, panels, n):
+        ids = fused(x, panels, n)
+        if ids is not None:  # picked in the head
+            calls.append(x.shape[0])
+        return ids
+
+    monkeypatch.setattr(native, "panels_argmax", counting)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3, 11], [5] * 13]
+    greedy = SamplingParams(max_tokens=7, temperature=0.0)
+    packed = llm.generate(prompts, greedy)
+    lib = native.ops()
+    if lib is not None and lib.panels_argmax_supported():
+        assert calls and max(calls) == 3  # every step's sampling rows, in one call
+    else:
+        assert not calls  # a build without it: the sampler's path
+    calls.clear()
+    llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1))
+    llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.8, seed=1))
+    assert not calls
+    with unpacked_linears(model), native.torch_linears() if torch_path else nullcontext():
+        plain = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_greedy_float32_steps_pick_in_the_lm_head(panels_here, tiny_model_dir, monkeypatch):
+    from spur.actors.llm import LLM
+
+    llm = LLM(str(tiny_model_dir("llama_tied")), dtype="float32", block_size=4)
+    _greedy_in_the_head(llm, llm.executor.worker.runner.model, monkeypatch, torch_path=False)
+
+
+def test_greedy_bf16_steps_pick_in_the_lm_head(bf16_panels, tiny_model_dir, monkeypatch):
+    from spur.actors.llm import LLM
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", block_size=4)
+    _greedy_in_the_head(llm, llm.executor.worker.runner.model, monkeypatch, torch_path=True)

@@ -122,3 +122,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self.tp.all_gather(logits, dim=-1)  # [n, vocab rounded up]
             logits = logits[:, : self.num_embeddings]
         return logits.float()
+
+    def greedy_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """`hidden_states [n, dim]` -> `[n]` int64: `forward(hidden_states).argmax(-1)`
+        exactly (first maximal logit; NaN the largest), computed by the native
+        `panels_argmax` without writing the logits. None where it cannot (no packed
+        panels: CUDA, tensor parallel; a build without the op): then call `forward`."""
+        if self.weight_panels is None or self.tp.is_parallel:
+            return None
+        return native.panels_argmax(hidden_states, self.weight_panels, self.packed_out_features)

@@ -267,3 +267,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`hidden_states [m, hidden]` -> logits `[m, vocab_size]` fp32, full vocab on all ranks."""
         return self.lm_head(hidden_states)
+
+    def greedy_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden_states).argmax(-1)` ([m] int64) without the logits, or
+        None where the LM head cannot (see `ParallelLMHead.greedy_ids`)."""
+        return self.lm_head.greedy_ids(hidden_states)

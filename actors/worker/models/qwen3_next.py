@@ -274,6 +274,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
+    def greedy_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden_states).argmax(-1)` ([m] int64) without the logits, or
+        None where the LM head cannot (see `ParallelLMHead.greedy_ids`)."""
+        return self.lm_head.greedy_ids(hidden_states)
+
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """A multimodal Qwen3.5 checkpoint served as text only."""
