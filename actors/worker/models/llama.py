@@ -10,6 +10,8 @@ model(input_ids [n] int64, positions [n] int64, kv_caches: list of
       [2, num_blocks, block_size, num_kv_heads_per_rank, head_dim] (one per layer),
       attn_metadata) -> hidden_states [n, hidden_size]
 model.compute_logits(hidden_states [m, hidden_size]) -> logits [m, vocab_size] float32
+model.greedy_ids(hidden_states [m, hidden_size]) -> [m] int64 argmax of those logits,
+      or None where the LM head cannot pick without them
 ```
 
 The batch is flattened (requests' tokens laid end to end, no batch dim); the
