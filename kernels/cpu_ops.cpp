@@ -156,6 +156,41 @@ struct IntoY {
   void done(int64_t, int) const {}
 };
 
+// The next panel asked for into L2 while a panel kernel computes this one, a share of
+// its `lines` cache lines in each of the panel's `tiles` tiles, so that the stream
+// overlaps all of the panel's arithmetic: asked for by the last tile only, a 16-row
+// bf16 panel cost its first tile's arithmetic plus the whole stream, and 13-20 rows
+// ran 1.1-1.45x slower from memory; float32 panels with the hardware's stream prefetch
+// alone ran 1.1-1.5x slower at 8-64 rows (BENCHMARKS.md, thirty-ninth round). A
+// single tile of fewer than 8 rows asks for nothing: it is bound by its own stream,
+// and a second one only competes with it (0.86-0.93x at 1-4 rows; sixteenth round).
+// Into L2 (T1): at decode's 16-64 rows the LM head ran 1.1-1.4x faster than with T0,
+// neutral from 96 rows up (nineteenth round). Within a tile the share is spread
+// evenly over its inner steps, at most 2 lines a step (prefetch_step).
+struct PanelPrefetch {
+  const char* p;  // this tile's first line of the next panel
+  int64_t lines;  // how many it asks for (0: none)
+  // tile t of `tiles` over a panel of M rows; next: the next panel (nullptr: none)
+  static PanelPrefetch share(const void* next, int64_t lines, int64_t M, int64_t t,
+                             int64_t tiles) {
+    if (next == nullptr || (tiles == 1 && M < 8)) lines = 0;
+    const int64_t l0 = lines * t / tiles;
+    return {static_cast<const char*>(next) + l0 * 64, lines * (t + 1) / tiles - l0};
+  }
+};
+
+// once per inner step of a tile of `steps` steps: acc counts the share's lines
+// asked for, in units of 1 / steps
+inline void prefetch_step(const char*& p, int64_t& acc, int64_t lines, int64_t steps) {
+  if (lines > 0) {
+    acc += lines;
+    while (acc >= steps) {
+      __builtin_prefetch(p, 0, 2);  // prefetcht1
+      p += 64, acc -= steps;
+    }
+  }
+}
+
 // ----------------------------------------------------------------- decode attention
 //
 // One task = one (decode, KV head) pair: its G = Hq / Hkv query heads against the
@@ -1554,23 +1589,13 @@ inline void gemm_bf16_tile(const bf16* x, int64_t x_row, int rows, const bf16* b
   const bf16* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = x + (int64_t)std::min(i, rows - 1) * x_row;
   const int64_t pairs = K / 2, part = (pairs + KS - 1) / KS;
-  // pf_lines cache lines from pf (a share of the next panel) asked for into L2, spread
-  // evenly over the tile's pairs: at most 2 a pair, one a pf_acc overflow
   int64_t pf_acc = 0;
 #pragma GCC unroll 4
   for (int s = 0; s < KS; ++s) {
     const int64_t pe = std::min(pairs, (s + 1) * part);
     for (int64_t q = s * part; q < pe; ++q) {
       const bf16* wq = bp + q * 64;
-      if (pf_lines > 0) {
-        // the next panel into L2 (T1): at decode's 16-64 rows the LM head ran 1.1-1.4x
-        // faster than with T0, neutral from 96 rows up (nineteenth round)
-        pf_acc += pf_lines;
-        while (pf_acc >= pairs) {
-          _mm_prefetch(pf, _MM_HINT_T1);
-          pf += 64, pf_acc -= pairs;
-        }
-      }
+      prefetch_step(pf, pf_acc, pf_lines, pairs);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq));
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wq + 32));
 #pragma GCC unroll 16
@@ -1617,20 +1642,13 @@ template <int MR, int KS, typename Y>
 void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
                       const float* bias_p, int64_t K, Y* y, int64_t N, int cols,
                       const bf16* next) {
-  // While the tiles work on this panel they ask for the next one (its K cache lines), a
-  // share of its lines in each tile, so that the stream overlaps all of the panel's
-  // arithmetic: asked for by the last tile only, a 16-row panel cost its first tile's
-  // arithmetic plus the whole stream, and 13-20 rows ran 1.1-1.45x slower from memory
-  // (BENCHMARKS.md, thirty-ninth round). A single tile of fewer than 8 rows asks for
-  // nothing: it is bound by its own stream, and a second one only competes with it
-  // (0.9x at 1-4 rows of K = 1536; sixteenth round).
+  // the next panel: K cache lines (K / 2 pairs of 32 x 2 bf16), asked for over the pairs
   const int64_t tiles = (M + MR - 1) / MR;
-  const int64_t lines = next != nullptr && (tiles > 1 || M >= 8) ? K : 0;
   for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
     const int rows = (int)std::min<int64_t>(MR, M - m);
-    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+    const auto pf = PanelPrefetch::share(next, K, M, t, tiles);
     gemm_bf16_tile<MR, KS>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols,
-                           reinterpret_cast<const char*>(next) + l0 * 64, l1 - l0);
+                           pf.p, pf.lines);
   }
 }
 
@@ -1790,17 +1808,9 @@ inline void gemm_f32_tile(const float* x, int64_t x_row, int rows, const float* 
   for (int i = 0; i < MR; ++i) c[2 * i] = b0, c[2 * i + 1] = b1;
   const float* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = x + (int64_t)std::min(i, rows - 1) * x_row;
-  // pf_lines cache lines from pf (a share of the next panel) into L2, spread evenly
-  // over K (as gemm_bf16_tile does; at most 2 a k)
   int64_t pf_acc = 0;
   for (int64_t k = 0; k < K; ++k, bp += 2 * W) {
-    if (pf_lines > 0) {
-      pf_acc += pf_lines;
-      while (pf_acc >= K) {
-        _mm_prefetch(pf, _MM_HINT_T1);
-        pf += 64, pf_acc -= K;
-      }
-    }
+    prefetch_step(pf, pf_acc, pf_lines, K);
     const typename V::T w0 = V::load(bp), w1 = V::load(bp + W);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
@@ -1828,16 +1838,14 @@ inline void gemm_f32_tile(const float* x, int64_t x_row, int rows, const float* 
 template <class V, int MR>
 void panel_tiles(const float* x, int64_t x_row, int64_t M, const float* bp, const float* bias_p,
                  int64_t K, float* y, int64_t N, int cols, const float* next) {
-  // the next panel's lines, a share in each tile, as bf16_panel_tiles asks for them (a
-  // single tile of 1-2 rows ran 0.86-0.93x with them, so under 8 rows it asks for none)
+  // the next panel: K rows of 2 x W floats, asked for over the k steps
   const int64_t tiles = (M + MR - 1) / MR;
-  const int64_t lines =
-      next != nullptr && (tiles > 1 || M >= 8) ? K * 2 * V::W * (int64_t)sizeof(float) / 64 : 0;
+  const int64_t lines = K * 2 * V::W * (int64_t)sizeof(float) / 64;
   for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
     const int rows = (int)std::min<int64_t>(MR, M - m);
-    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+    const auto pf = PanelPrefetch::share(next, lines, M, t, tiles);
     gemm_f32_tile<V, MR>(x + m * x_row, x_row, rows, bp, bias_p, K, y + m * N, N, cols,
-                         reinterpret_cast<const char*>(next) + l0 * 64, l1 - l0);
+                         pf.p, pf.lines);
   }
 }
 
@@ -1966,17 +1974,25 @@ int64_t linear_f32_panel_width() {
 #endif
 }
 
+// The checks of the float32 panel kernels (linear_f32_panels, panels_argmax): x [M, K]
+// float32, M >= 1, with a unit inner stride, and panels [ceil(n / PW), K, PW] in
+// native.pack_linear_f32's layout.
+void check_f32_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  const int64_t PW = linear_f32_panel_width();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(0) >= 1,
+              op, ": x [M, K] float32 with a unit inner stride");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(2) == PW &&
+                  panels.size(0) == (n + PW - 1) / PW,
+              op, ": x [M, K] and panels [ceil(n / ", PW, "), K, ", PW,
+              "] float32, contiguous (native.pack_linear_f32's layout)");
+}
+
 at::Tensor linear_f32_panels(const at::Tensor& x, const at::Tensor& panels,
                              const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(kLinearF32, "linear_f32_panels: built for a CPU without AVX2 + FMA or AVX-512");
-  const int64_t PW = linear_f32_panel_width();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(0) >= 1,
-              "linear_f32_panels: x [M, K] float32 with a unit inner stride");
+  check_f32_panels("linear_f32_panels", x, panels, n);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-                  panels.size(1) == K && panels.size(2) == PW && panels.size(0) == (n + PW - 1) / PW,
-              "linear_f32_panels: panels [ceil(n / ", PW, "), K, ", PW,
-              "] float32, contiguous (native.pack_linear_f32's layout)");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
@@ -2018,19 +2034,26 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+// The checks of the bf16 panel kernels (linear_bf16_panels, panels_argmax): x [M, K]
+// bfloat16, M >= 1, with a unit inner stride and an even K, and panels
+// [ceil(n / 32), K / 2, 32, 2] in native.pack_linear_bf16's layout.
+void check_bf16_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+                  x.size(0) >= 1 && x.size(1) % 2 == 0,
+              op, ": x [M, K] bfloat16 with a unit inner stride and an even K");
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.is_contiguous() && panels.size(0) == (n + 31) / 32 &&
+                  panels.size(1) == x.size(1) / 2 && panels.size(2) == 32 && panels.size(3) == 2,
+              op, ": x [M, K] and panels [ceil(n / 32), K / 2, 32, 2] bfloat16, contiguous "
+              "(native.pack_linear_bf16's layout)");
+}
+
 at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
                               const std::optional<at::Tensor>& bias, int64_t n,
                               bool float_out = false) {
   TORCH_CHECK(kSmallLinear, "linear_bf16_panels: built without AVX-512 BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  x.size(0) >= 1 && x.size(1) % 2 == 0,
-              "linear_bf16_panels: x [M, K] bfloat16 with a unit inner stride and an even K");
+  check_bf16_panels("linear_bf16_panels", x, panels, n);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
-                  panels.is_contiguous() && panels.size(0) == (n + 31) / 32 &&
-                  panels.size(1) == K / 2 && panels.size(2) == 32 && panels.size(3) == 2,
-              "linear_bf16_panels: panels [ceil(n / 32), K / 2, 32, 2] bfloat16, contiguous "
-              "(native.pack_linear_bf16's layout)");
   const bf16* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
@@ -2207,20 +2230,10 @@ at::Tensor panels_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const bool bf = panels.dim() == 4;
   const int W = bf ? 32 : (int)linear_f32_panel_width();
   if (bf) {
-    TORCH_CHECK(kSmallLinear && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-                    x.stride(1) == 1 && x.size(0) >= 1 && x.size(1) % 2 == 0 &&
-                    panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
-                    panels.size(0) == (n + 31) / 32 && panels.size(1) == x.size(1) / 2 &&
-                    panels.size(2) == 32 && panels.size(3) == 2,
-                "panels_argmax: x [M, K] bfloat16 (unit inner stride, even K) and panels "
-                "[ceil(n / 32), K / 2, 32, 2] bfloat16 (native.pack_linear_bf16's layout)");
+    TORCH_CHECK(kSmallLinear, "panels_argmax: bf16 panels need a build with AVX-512 BF16");
+    check_bf16_panels("panels_argmax", x, panels, n);
   } else {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                    x.size(0) >= 1 && panels.dim() == 3 && panels.scalar_type() == at::kFloat &&
-                    panels.is_contiguous() && panels.size(1) == x.size(1) &&
-                    panels.size(2) == W && panels.size(0) == (n + W - 1) / W,
-                "panels_argmax: x [M, K] float32 (unit inner stride) and panels [ceil(n / ",
-                W, "), K, ", W, "] float32 (native.pack_linear_f32's layout)");
+    check_f32_panels("panels_argmax", x, panels, n);
   }
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<ArgmaxLanes> lanes(std::max<int64_t>(at::get_num_threads(), 1));
