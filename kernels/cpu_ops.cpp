@@ -41,6 +41,8 @@
 //       -> [M, n] bfloat16, any M, K even, AVX-512 BF16 builds: the bf16 weight
 //       packed once at load in pairs (native.pack_linear_bf16); one rounding. With
 //       float_out=True: [M, n] float32 holding the same bf16-rounded values.
+//   gate_up_silu(x [M, K], panels, bias [n]?, n) -> silu_and_mul(linear_bf16_panels(x,
+//       panels, bias, n)) [M, n / 2] in one pass, n a multiple of 64, bit for bit.
 //   panel_rows(panels, ids [n] int64) -> [n, K]: rows `ids` of a weight packed into
 //       bf16 or float32 panels (a tied embedding's lookup), bit for bit.
 //   decoder_stack(hidden, positions, cos_sin, kv_caches, slots, norms, panels, ...)
@@ -1323,41 +1325,44 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
 // ----------------------------------------------------------------- SiLU and mul
 //
 // Reference (layers/activation.py): silu(gate) * up, rounded after each op.
+// oi[j] = silu(g[j]) * u[j], j < d: a row of silu_and_mul (gate_up_silu: a panel's
+// columns of it, which start at a multiple of 16 and end at d or a multiple of 16, so
+// each element takes the same one of the two paths below as in the row).
+template <typename T>
+inline void silu_mul_span(const T* g, const T* u, T* oi, int64_t d) {
+  int64_t j = 0;
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    // 16 at a time, as torch computes silu: g * sigmoid(g), sigmoid = 1 / (1 + e^-g),
+    // rounded to bf16, times up, rounded. Where float's e^-g overflows (g < -88.72)
+    // torch's sigmoid is 0, so silu is -0 here too. Faster than the loop below and
+    // closer to torch's F.silu(gate) * up (the loop's g / (1 + e^-g) rounds once
+    // less, and differs from it in about 1 value in 1000).
+    for (; j + 16 <= d; j += 16) {
+      const __m512 gf = load_bf16(g + j);
+      const __m512 den =
+          _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gf)));
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), den);
+      const __mmask16 over = _mm512_cmp_ps_mask(gf, _mm512_set1_ps(-88.7228317f), _CMP_LT_OQ);
+      const __m512 act = _mm512_mul_ps(gf, _mm512_mask_mov_ps(inv, over, _mm512_setzero_ps()));
+      const __m512 a = widen_bf16(to_bf16(act));
+      store_bf16(oi + j, to_bf16(_mm512_mul_ps(a, load_bf16(u + j))));
+    }
+  }
+#endif
+  for (; j < d; ++j) {
+    const float gf = to_f(g[j]);
+    // exp's argument clamped where it overflows: -ffast-math assumes no infinities,
+    // and gf / (1 + inf) came out NaN for gates below -88.7 (silu there is -0)
+    const T act = from_f<T>(gf / (1.0f + std::exp(std::min(-gf, 88.3762626f))));
+    oi[j] = from_f<T>(to_f(act) * to_f(u[j]));
+  }
+}
+
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t n, int64_t d, int64_t x_row) {
   at::parallel_for(0, n, row_grain(2 * d), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const T* g = x + i * x_row;
-      const T* u = g + d;
-      T* oi = out + i * d;
-      int64_t j = 0;
-#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, bf16>) {
-        // 16 at a time, as torch computes silu: g * sigmoid(g), sigmoid = 1 / (1 + e^-g),
-        // rounded to bf16, times up, rounded. Where float's e^-g overflows (g < -88.72)
-        // torch's sigmoid is 0, so silu is -0 here too. Faster than the loop below and
-        // closer to torch's F.silu(gate) * up (the loop's g / (1 + e^-g) rounds once
-        // less, and differs from it in about 1 value in 1000).
-        for (; j + 16 <= d; j += 16) {
-          const __m512 gf = load_bf16(g + j);
-          const __m512 den =
-              _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gf)));
-          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), den);
-          const __mmask16 over = _mm512_cmp_ps_mask(gf, _mm512_set1_ps(-88.7228317f), _CMP_LT_OQ);
-          const __m512 act = _mm512_mul_ps(gf, _mm512_mask_mov_ps(inv, over, _mm512_setzero_ps()));
-          const __m512 a = widen_bf16(to_bf16(act));
-          store_bf16(oi + j, to_bf16(_mm512_mul_ps(a, load_bf16(u + j))));
-        }
-      }
-#endif
-      for (; j < d; ++j) {
-        const float gf = to_f(g[j]);
-        // exp's argument clamped where it overflows: -ffast-math assumes no infinities,
-        // and gf / (1 + inf) came out NaN for gates below -88.7 (silu there is -0)
-        const T act = from_f<T>(gf / (1.0f + std::exp(std::min(-gf, 88.3762626f))));
-        oi[j] = from_f<T>(to_f(act) * to_f(u[j]));
-      }
-    }
+    for (int64_t i = b; i < e; ++i) silu_mul_span(x + i * x_row, x + i * x_row + d, out + i * d, d);
   });
 }
 
@@ -1656,34 +1661,76 @@ void bf16_panel_tiles(const bf16* x, int64_t x_row, int64_t M, const bf16* bp,
 // without a second pass to widen them). sink.at(n0) is where panel n0's outputs go
 // (rows sink.stride() apart), sink.done(n0, cols) runs once they are there (IntoY,
 // ArgmaxSink).
+// The rows of a bf16 panel's tiles: M rows split into tiles as even as they go, of at
+// most kBf16MR rows (16 rows: two of 8).
+inline int bf16_tile_rows(int64_t M) {
+  const int64_t tiles = (M + kBf16MR - 1) / kBf16MR;
+  return (int)((M + tiles - 1) / tiles);
+}
+
+// One panel bp (the weight's output features n0 .. n0 + cols) for all M rows of x, in
+// tiles of mr rows (bf16_tile_rows): y[m][j] (rows ys apart) = x[m] . w[n0 + j] +
+// bias[n0 + j], rounded to bf16; next: the panel to ask for meanwhile (nullptr: none).
+template <typename Y>
+inline void bf16_panel(const bf16* x, int64_t x_row, int64_t M, int mr, const bf16* bp,
+                       const bf16* bias, int64_t n0, int cols, int64_t K, Y* y, int64_t ys,
+                       const bf16* next) {
+  alignas(64) float bias_p[32];
+  for (int j = 0; j < 32; ++j) bias_p[j] = j < cols && bias ? to_f(bias[n0 + j]) : 0.0f;
+  switch (mr) {
+#define SPUR_BF16_CASE(R, KS) \
+  case R: bf16_panel_tiles<R, KS>(x, x_row, M, bp, bias_p, K, y, ys, cols, next); break;
+    SPUR_BF16_CASE(1, 4) SPUR_BF16_CASE(2, 3) SPUR_BF16_CASE(3, 2) SPUR_BF16_CASE(4, 2)
+    SPUR_BF16_CASE(5, 1) SPUR_BF16_CASE(6, 1) SPUR_BF16_CASE(7, 1) SPUR_BF16_CASE(8, 1)
+    SPUR_BF16_CASE(9, 1) SPUR_BF16_CASE(10, 1) SPUR_BF16_CASE(11, 1)
+#undef SPUR_BF16_CASE
+    default: bf16_panel_tiles<kBf16MR, 1>(x, x_row, M, bp, bias_p, K, y, ys, cols, next);
+  }
+}
+
 template <typename Y, typename Sink>
 void bf16_panels_run(const bf16* x, const bf16* panels, const bf16* bias, const Sink& sink,
                      int64_t M, int64_t N, int64_t K, int64_t x_row) {
   const int64_t P = (N + 31) / 32;
-  const int64_t tiles = (M + kBf16MR - 1) / kBf16MR;
-  const int mr = (int)((M + tiles - 1) / tiles);  // rows split into even tiles
-  const int64_t ys = sink.stride();
+  const int mr = bf16_tile_rows(M);
   parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t n0 = p * 32;
       const int cols = (int)std::min<int64_t>(32, N - n0);
-      alignas(64) float bias_p[32];
-      for (int j = 0; j < 32; ++j) bias_p[j] = j < cols && bias ? to_f(bias[n0 + j]) : 0.0f;
-      const bf16* bp = panels + p * K * 32;
       // the panel after this one: this block's next, or the first of the thread's next block
       const int64_t pn = p + 1 < pe ? p + 1 : ahead();
-      const bf16* next = pn < P ? panels + pn * K * 32 : nullptr;
-      Y* yp = sink.at(n0);
-      switch (mr) {
-#define SPUR_BF16_CASE(R, KS) \
-  case R: bf16_panel_tiles<R, KS>(x, x_row, M, bp, bias_p, K, yp, ys, cols, next); break;
-        SPUR_BF16_CASE(1, 4) SPUR_BF16_CASE(2, 3) SPUR_BF16_CASE(3, 2) SPUR_BF16_CASE(4, 2)
-        SPUR_BF16_CASE(5, 1) SPUR_BF16_CASE(6, 1) SPUR_BF16_CASE(7, 1) SPUR_BF16_CASE(8, 1)
-        SPUR_BF16_CASE(9, 1) SPUR_BF16_CASE(10, 1) SPUR_BF16_CASE(11, 1)
-#undef SPUR_BF16_CASE
-        default: bf16_panel_tiles<kBf16MR, 1>(x, x_row, M, bp, bias_p, K, yp, ys, cols, next);
-      }
+      bf16_panel<Y>(x, x_row, M, mr, panels + p * K * 32, bias, n0, cols, K, sink.at(n0),
+                    sink.stride(), pn < P ? panels + pn * K * 32 : nullptr);
       sink.done(n0, cols);
+    }
+  });
+}
+
+// silu(x Wg^T + bg) * (x Wu^T + bu) -> y [M, d], for a gate_up weight [2d, K] (gate
+// rows first) packed in bf16 panels, d a multiple of 32 (gate panels 0 .. d / 32, up
+// panels from d / 32). A thread computes gate panel i and up panel d / 32 + i into
+// [M, 32] buffers of its own (in L1 / L2), then their SiLU-and-mul into y's columns
+// 32i .. 32i + 32: the [M, 2d] gate_up output is never written out and read back, and
+// the activation is no parallel region of its own. Bit for bit
+// silu_and_mul(linear_bf16_panels(x, panels, bias, 2d)): the same tiles, the same
+// roundings, the same SiLU.
+void gate_up_silu_bf16(const bf16* x, const bf16* panels, const bf16* bias, bf16* y, int64_t M,
+                       int64_t d, int64_t K, int64_t x_row) {
+  const int64_t P = d / 32, panel = K * 32;
+  const int mr = bf16_tile_rows(M);
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
+    thread_local std::vector<bf16> buf;
+    buf.resize((size_t)M * 64);
+    bf16* g = buf.data();
+    bf16* u = g + M * 32;
+    for (int64_t p = pb; p < pe; ++p) {
+      // gate panel p asks for up panel p, which asks for the thread's next gate panel
+      bf16_panel<bf16>(x, x_row, M, mr, panels + p * panel, bias, p * 32, 32, K, g, 32,
+                       panels + (P + p) * panel);
+      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
+      bf16_panel<bf16>(x, x_row, M, mr, panels + (P + p) * panel, bias, d + p * 32, 32, K, u,
+                       32, pn < P ? panels + pn * panel : nullptr);
+      for (int64_t m = 0; m < M; ++m) silu_mul_span(g + m * 32, u + m * 32, y + m * d + p * 32, 32);
     }
   });
 }
@@ -1975,9 +2022,11 @@ int64_t linear_f32_panel_width() {
 }
 
 // The checks of the float32 panel kernels (linear_f32_panels, panels_argmax): x [M, K]
-// float32, M >= 1, with a unit inner stride, and panels [ceil(n / PW), K, PW] in
-// native.pack_linear_f32's layout.
-void check_f32_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+// float32, M >= 1, with a unit inner stride, panels [ceil(n / PW), K, PW] in
+// native.pack_linear_f32's layout, and an optional contiguous bias [n] float32.
+// Returns the bias's data, or nullptr.
+const float* check_f32_panels(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t PW = linear_f32_panel_width();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(0) >= 1,
               op, ": x [M, K] float32 with a unit inner stride");
@@ -1986,19 +2035,17 @@ void check_f32_panels(const char* op, const at::Tensor& x, const at::Tensor& pan
                   panels.size(0) == (n + PW - 1) / PW,
               op, ": x [M, K] and panels [ceil(n / ", PW, "), K, ", PW,
               "] float32, contiguous (native.pack_linear_f32's layout)");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+              op, ": bias [n] float32");
+  return bias->data_ptr<float>();
 }
 
 at::Tensor linear_f32_panels(const at::Tensor& x, const at::Tensor& panels,
                              const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(kLinearF32, "linear_f32_panels: built for a CPU without AVX2 + FMA or AVX-512");
-  check_f32_panels("linear_f32_panels", x, panels, n);
+  const float* b = check_f32_panels("linear_f32_panels", x, panels, bias, n);
   const int64_t M = x.size(0), K = x.size(1);
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "linear_f32_panels: bias [n] float32");
-    b = bias->data_ptr<float>();
-  }
   auto y = at::empty({M, n}, x.options());
 #ifdef SPUR_SIMD
   linear_f32_panels_typed(x.data_ptr<float>(), panels.data_ptr<float>(), b, y.data_ptr<float>(), M,
@@ -2034,10 +2081,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-// The checks of the bf16 panel kernels (linear_bf16_panels, panels_argmax): x [M, K]
-// bfloat16, M >= 1, with a unit inner stride and an even K, and panels
-// [ceil(n / 32), K / 2, 32, 2] in native.pack_linear_bf16's layout.
-void check_bf16_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+// The checks of the bf16 panel kernels (linear_bf16_panels, gate_up_silu,
+// panels_argmax): x [M, K] bfloat16, M >= 1, with a unit inner stride and an even K,
+// panels [ceil(n / 32), K / 2, 32, 2] in native.pack_linear_bf16's layout, and an
+// optional contiguous bias [n] bfloat16. Returns the bias's data, or nullptr.
+const bf16* check_bf16_panels(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
                   x.size(0) >= 1 && x.size(1) % 2 == 0,
               op, ": x [M, K] bfloat16 with a unit inner stride and an even K");
@@ -2046,21 +2095,18 @@ void check_bf16_panels(const char* op, const at::Tensor& x, const at::Tensor& pa
                   panels.size(1) == x.size(1) / 2 && panels.size(2) == 32 && panels.size(3) == 2,
               op, ": x [M, K] and panels [ceil(n / 32), K / 2, 32, 2] bfloat16, contiguous "
               "(native.pack_linear_bf16's layout)");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
+              op, ": bias [n] bfloat16");
+  return bias->data_ptr<bf16>();
 }
 
 at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
                               const std::optional<at::Tensor>& bias, int64_t n,
                               bool float_out = false) {
   TORCH_CHECK(kSmallLinear, "linear_bf16_panels: built without AVX-512 BF16");
-  check_bf16_panels("linear_bf16_panels", x, panels, n);
+  const bf16* b = check_bf16_panels("linear_bf16_panels", x, panels, bias, n);
   const int64_t M = x.size(0), K = x.size(1);
-  const bf16* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
-                    bias->numel() == n,
-                "linear_bf16_panels: bias [n] bfloat16");
-    b = bias->data_ptr<bf16>();
-  }
   auto y = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
   if (float_out)
@@ -2069,6 +2115,24 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
   else
     linear_bf16_panels_typed(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(),
                              M, n, K, x.stride(0));
+#endif
+  return y;
+}
+
+// gate_up_silu(x [M, K], panels, bias [n]?, n) -> silu_and_mul(linear_bf16_panels(x,
+// panels, bias, n)) [M, n / 2], n a multiple of 64 (gate_up_silu_bf16).
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& panels,
+                        const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(kSmallLinear, "gate_up_silu: built without AVX-512 BF16 (use linear_bf16_panels "
+              "and silu_and_mul)");
+  TORCH_CHECK(n > 0 && n % 64 == 0, "gate_up_silu: n (gate and up features) must be a "
+              "multiple of 64; otherwise use linear_bf16_panels and silu_and_mul");
+  const bf16* b = check_bf16_panels("gate_up_silu", x, panels, bias, n);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, n / 2}, x.options());
+#if defined(SPUR_AVX512) && defined(__AVX512BF16__)
+  gate_up_silu_bf16(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(), M, n / 2,
+                    K, x.stride(0));
 #endif
   return y;
 }
@@ -2231,9 +2295,9 @@ at::Tensor panels_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const int W = bf ? 32 : (int)linear_f32_panel_width();
   if (bf) {
     TORCH_CHECK(kSmallLinear, "panels_argmax: bf16 panels need a build with AVX-512 BF16");
-    check_bf16_panels("panels_argmax", x, panels, n);
+    check_bf16_panels("panels_argmax", x, panels, std::nullopt, n);
   } else {
-    check_f32_panels("panels_argmax", x, panels, n);
+    check_f32_panels("panels_argmax", x, panels, std::nullopt, n);
   }
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<ArgmaxLanes> lanes(std::max<int64_t>(at::get_num_threads(), 1));
@@ -2319,8 +2383,11 @@ int64_t parallel_team(int64_t n) {
 // are theirs bit for bit. Called once a step instead of ~9 ops a layer from Python: no
 // Python between the ops, and the GIL is released once for the whole forward (served,
 // Serve's threads in the same process take it between ops, and the step thread then
-// waits to get it back). The caller has checked what the per-op Python would have
-// (dtypes, strides, the attention layout); each op still checks its own arguments.
+// waits to get it back). One pair of ops is fused: with bf16 panels and a gate_up of
+// 64k features, gate_up and SiLU-and-mul are gate_up_silu (the same bits, 1.02-1.03x
+// on the engine's bf16 workload: BENCHMARKS.md, fortieth round). The caller has checked
+// what the per-op Python would have (dtypes, strides, the attention layout); each op
+// still checks its own arguments.
 // Per layer l: norms[2l], norms[2l + 1] (input, post-attention); panels[4l .. 4l + 3]
 // and out_features (qkv, o, gate_up, down; packed float32 or bf16 panels, one kind);
 // biases[4l], biases[4l + 2] (qkv, gate_up; o and down have none here). The decode plan
@@ -2380,7 +2447,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
       decode_attention(q, out, k_cache, v_cache, *tables, *rows, *firsts, *lens, scale, 0);
     h = linear(out.view({n, q_size}), 4 * l + 1);
     std::tie(x, residual) = fused_add_rms_norm(h, residual, norms[2 * l + 1], eps[2 * l + 1]);
-    h = linear(silu_and_mul(linear(x, 4 * l + 2)), 4 * l + 3);
+    // SiLU in the gate_up panels' epilogue where it can (bit for bit the same)
+    const int64_t gu = 4 * l + 2;
+    h = linear(bf16 && kSmallLinear && out_features[gu] % 64 == 0
+                   ? gate_up_silu(x, panels[gu], biases.get(gu), out_features[gu])
+                   : silu_and_mul(linear(x, gu)),
+               4 * l + 3);
   }
   return {h, residual};
 }
@@ -2401,6 +2473,7 @@ TORCH_LIBRARY(spur_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gate_up_silu(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("panel_rows(Tensor panels, Tensor ids) -> Tensor");
   m.def("panels_argmax_supported() -> bool", &panels_argmax_supported);
@@ -2430,6 +2503,7 @@ TORCH_LIBRARY_IMPL(spur_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gate_up_silu", &gate_up_silu);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("panel_rows", &panel_rows);
   m.impl("panels_argmax", &panels_argmax);

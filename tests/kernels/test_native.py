@@ -788,6 +788,36 @@ def test_panels_argmax_is_the_argmax_of_the_logits(monkeypatch, dtype, threads):
         lib.panels_argmax(torch.randn(2, 32).to(dtype), panels, 1000)  # K 32, panels' 64
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gate_up_silu_is_silu_and_mul_of_the_gate_up_linear(monkeypatch, threads):
+    """The MLP's SiLU in the bf16 gate_up panels' epilogue (decoder_stack takes it):
+    bit for bit silu_and_mul of linear_bf16_panels, at decode's and prefill's row
+    counts, with and without a bias, with gates past SiLU's overflow (-90) and large
+    ones, on one thread and on two (each computes its own gate and up panels)."""
+    lib = _bf16_panels_lib(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(11)
+        for d, k in ((32, 64), (96, 576), (1536, 576)):
+            w = (torch.randn(2 * d, k, generator=g) * 0.2).to(torch.bfloat16)
+            bias = torch.randn(2 * d, generator=g).to(torch.bfloat16)
+            bias[:4] = torch.tensor([-90.0, -89.0, 30.0, 90.0])  # gates past the overflow
+            panels = native.pack_linear(w)
+            for rows in (1, 5, 13, 16, 64, 130):
+                x = (torch.randn(rows, k, generator=g) * 2).to(torch.bfloat16)
+                for b in (None, bias):
+                    want = lib.silu_and_mul(lib.linear_bf16_panels(x, panels, b, 2 * d))
+                    got = lib.gate_up_silu(x, panels, b, 2 * d)
+                    assert got.shape == (rows, d) and got.dtype == torch.bfloat16
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (d, rows)
+    finally:
+        torch.set_num_threads(before)
+    w = torch.randn(2 * 48, 64).to(torch.bfloat16)  # d 48: panels would mix gate and up
+    with pytest.raises(RuntimeError, match="multiple of 64; otherwise use linear_bf16_panels"):
+        lib.gate_up_silu(torch.randn(2, 64).to(torch.bfloat16), native.pack_linear(w), None, 96)
+
+
 def test_bf16_panels_are_not_packed_with_amx():
     """With AMX oneDNN's tiles serve bf16 batches, so the weights stay [N, K]."""
     assert native.bf16_panels_serve(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) is False
