@@ -41,8 +41,9 @@
 //       -> [M, n] bfloat16, any M, K even, AVX-512 BF16 builds: the bf16 weight
 //       packed once at load in pairs (native.pack_linear_bf16); one rounding. With
 //       float_out=True: [M, n] float32 holding the same bf16-rounded values.
-//   gate_up_silu(x [M, K], panels, bias [n]?, n) -> silu_and_mul(linear_bf16_panels(x,
-//       panels, bias, n)) [M, n / 2] in one pass, n a multiple of 64, bit for bit.
+//   gate_up_silu(x [M, K], panels, bias [n]?, n) -> silu_and_mul(linear_*_panels(x,
+//       panels, bias, n)) [M, n / 2] in one pass, bit for bit; n a multiple of twice
+//       the panels' width (gate_up_silu_fits).
 //   panel_rows(panels, ids [n] int64) -> [n, K]: rows `ids` of a weight packed into
 //       bf16 or float32 panels (a tied embedding's lookup), bit for bit.
 //   decoder_stack(hidden, positions, cos_sin, kv_caches, slots, norms, panels, ...)
@@ -1359,10 +1360,24 @@ inline void silu_mul_span(const T* g, const T* u, T* oi, int64_t d) {
   }
 }
 
+// float32 spans: one out-of-line copy, for silu_and_mul's rows and gate_up_silu_f32's
+// blocks alike. Inlined, the compiler vectorizes the loop by call site (libmvec's expf
+// in some lanes, scalar expf in others), and the two came out 1 ulp apart on AVX2.
+// Called with 64-byte-aligned, non-overlapping g, u and o, and n a multiple of 16, every
+// element takes the vector loop in both.
+__attribute__((noinline)) void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
+  silu_mul_span<float>(g, u, o, n);
+}
+
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t n, int64_t d, int64_t x_row) {
   at::parallel_for(0, n, row_grain(2 * d), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) silu_mul_span(x + i * x_row, x + i * x_row + d, out + i * d, d);
+    for (int64_t i = b; i < e; ++i) {
+      if constexpr (std::is_same_v<T, float>)
+        silu_mul_f32(x + i * x_row, x + i * x_row + d, out + i * d, d);
+      else
+        silu_mul_span(x + i * x_row, x + i * x_row + d, out + i * d, d);
+    }
   });
 }
 
@@ -1971,6 +1986,33 @@ void linear_f32_panels_typed(const float* x, const float* panels, const float* b
                              int64_t M, int64_t N, int64_t K, int64_t x_row) {
   f32_panels_run(x, panels, bias, IntoY<float>{y, N}, M, N, K, x_row);
 }
+
+// gate_up_silu_bf16's float32 twin, over float32 panels of PW columns (d a multiple
+// of PW): gate panel i and up panel d / PW + i into a thread's own 64-byte-aligned
+// [M, PW] buffers, their SiLU-and-mul in one silu_mul_f32 call, copied into y's
+// columns PW i .. PW (i + 1).
+void gate_up_silu_f32(const float* x, const float* panels, const float* bias, float* y,
+                      int64_t M, int64_t d, int64_t K, int64_t x_row) {
+  constexpr int PW = 2 * LinearVec::W;
+  const int64_t P = d / PW, panel = K * PW;
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
+    thread_local std::vector<float> buf;
+    buf.resize((size_t)M * 3 * PW + 16);
+    float* g = buf.data() + (16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16;
+    float* u = g + M * PW;
+    float* o = u + M * PW;
+    for (int64_t p = pb; p < pe; ++p) {
+      panel_product(x, x_row, M, panels + p * panel, bias, p * PW, PW, K, g, PW,
+                    panels + (P + p) * panel);
+      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
+      panel_product(x, x_row, M, panels + (P + p) * panel, bias, d + p * PW, PW, K, u, PW,
+                    pn < P ? panels + pn * panel : nullptr);
+      silu_mul_f32(g, u, o, M * PW);
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(y + m * d + p * PW, o + m * PW, PW * sizeof(float));
+    }
+  });
+}
 #else
 constexpr bool kLinearF32 = false;
 #endif
@@ -2119,20 +2161,39 @@ at::Tensor linear_bf16_panels(const at::Tensor& x, const at::Tensor& panels,
   return y;
 }
 
-// gate_up_silu(x [M, K], panels, bias [n]?, n) -> silu_and_mul(linear_bf16_panels(x,
-// panels, bias, n)) [M, n / 2], n a multiple of 64 (gate_up_silu_bf16).
+// Whether this build's gate_up_silu takes `panels` (bf16: [P, K / 2, 32, 2]; float32:
+// [P, K, PW]) of n gate and up features: n / 2 must be a whole number of panels, so
+// that no panel mixes gate and up columns.
+bool gate_up_silu_fits(const at::Tensor& panels, int64_t n) {
+  if (panels.dim() == 4) return kSmallLinear && n > 0 && n % 64 == 0;
+  return kLinearF32 && n > 0 && n % (2 * linear_f32_panel_width()) == 0;
+}
+
+// gate_up_silu(x [M, K], panels, bias [n]?, n) -> silu_and_mul(linear_*_panels(x,
+// panels, bias, n)) [M, n / 2] (gate_up_silu_bf16, gate_up_silu_f32).
 at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& panels,
                         const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(kSmallLinear, "gate_up_silu: built without AVX-512 BF16 (use linear_bf16_panels "
-              "and silu_and_mul)");
-  TORCH_CHECK(n > 0 && n % 64 == 0, "gate_up_silu: n (gate and up features) must be a "
-              "multiple of 64; otherwise use linear_bf16_panels and silu_and_mul");
-  const bf16* b = check_bf16_panels("gate_up_silu", x, panels, bias, n);
+  const bool bf = panels.dim() == 4;
+  TORCH_CHECK(bf ? kSmallLinear : kLinearF32, "gate_up_silu: this build has no ",
+              bf ? "bf16" : "float32", " panels (use the linear and silu_and_mul)");
+  TORCH_CHECK(gate_up_silu_fits(panels, n), "gate_up_silu: n (gate and up features) must be a "
+              "multiple of 2 x the panel width (", bf ? 32 : linear_f32_panel_width(),
+              "); otherwise use the linear and silu_and_mul");
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = at::empty({M, n / 2}, x.options());
+  if (bf) {
+    const bf16* b = check_bf16_panels("gate_up_silu", x, panels, bias, n);
+    auto y = at::empty({M, n / 2}, x.options());
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
-  gate_up_silu_bf16(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(), M, n / 2,
-                    K, x.stride(0));
+    gate_up_silu_bf16(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(), M,
+                      n / 2, K, x.stride(0));
+#endif
+    return y;
+  }
+  const float* b = check_f32_panels("gate_up_silu", x, panels, bias, n);
+  auto y = at::empty({M, n / 2}, x.options());
+#ifdef SPUR_SIMD
+  gate_up_silu_f32(x.data_ptr<float>(), panels.data_ptr<float>(), b, y.data_ptr<float>(), M,
+                   n / 2, K, x.stride(0));
 #endif
   return y;
 }
@@ -2383,9 +2444,9 @@ int64_t parallel_team(int64_t n) {
 // are theirs bit for bit. Called once a step instead of ~9 ops a layer from Python: no
 // Python between the ops, and the GIL is released once for the whole forward (served,
 // Serve's threads in the same process take it between ops, and the step thread then
-// waits to get it back). One pair of ops is fused: with bf16 panels and a gate_up of
-// 64k features, gate_up and SiLU-and-mul are gate_up_silu (the same bits, 1.02-1.03x
-// on the engine's bf16 workload: BENCHMARKS.md, fortieth round). The caller has checked
+// waits to get it back). One pair of ops is fused: where gate_up_silu_fits, gate_up and
+// SiLU-and-mul are gate_up_silu (the same bits; 1.02-1.03x on the engine's bf16
+// workload: BENCHMARKS.md, fortieth round). The caller has checked
 // what the per-op Python would have (dtypes, strides, the attention layout); each op
 // still checks its own arguments.
 // Per layer l: norms[2l], norms[2l + 1] (input, post-attention); panels[4l .. 4l + 3]
@@ -2449,7 +2510,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     std::tie(x, residual) = fused_add_rms_norm(h, residual, norms[2 * l + 1], eps[2 * l + 1]);
     // SiLU in the gate_up panels' epilogue where it can (bit for bit the same)
     const int64_t gu = 4 * l + 2;
-    h = linear(bf16 && kSmallLinear && out_features[gu] % 64 == 0
+    h = linear(gate_up_silu_fits(panels[gu], out_features[gu])
                    ? gate_up_silu(x, panels[gu], biases.get(gu), out_features[gu])
                    : silu_and_mul(linear(x, gu)),
                4 * l + 3);

@@ -788,34 +788,39 @@ def test_panels_argmax_is_the_argmax_of_the_logits(monkeypatch, dtype, threads):
         lib.panels_argmax(torch.randn(2, 32).to(dtype), panels, 1000)  # K 32, panels' 64
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gate_up_silu_is_silu_and_mul_of_the_gate_up_linear(monkeypatch, threads):
-    """The MLP's SiLU in the bf16 gate_up panels' epilogue (decoder_stack takes it):
-    bit for bit silu_and_mul of linear_bf16_panels, at decode's and prefill's row
-    counts, with and without a bias, with gates past SiLU's overflow (-90) and large
-    ones, on one thread and on two (each computes its own gate and up panels)."""
-    lib = _bf16_panels_lib(monkeypatch)
+def test_gate_up_silu_is_silu_and_mul_of_the_gate_up_linear(monkeypatch, dtype, threads):
+    """The MLP's SiLU in the gate_up panels' epilogue (decoder_stack takes it): bit for
+    bit silu_and_mul of the panels' linear, in both panel layouts, at decode's and
+    prefill's row counts, with and without a bias, with gates past exp's overflow
+    (-90) and large ones, on one thread and on two (each computes its own gate and up
+    panels)."""
+    packed = _panels_lib if dtype == torch.float32 else _bf16_panels_lib
+    lib = packed(monkeypatch)
+    linear = lib.linear_f32_panels if dtype == torch.float32 else lib.linear_bf16_panels
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(11)
         for d, k in ((32, 64), (96, 576), (1536, 576)):
-            w = (torch.randn(2 * d, k, generator=g) * 0.2).to(torch.bfloat16)
-            bias = torch.randn(2 * d, generator=g).to(torch.bfloat16)
+            w = (torch.randn(2 * d, k, generator=g) * 0.2).to(dtype)
+            bias = torch.randn(2 * d, generator=g).to(dtype)
             bias[:4] = torch.tensor([-90.0, -89.0, 30.0, 90.0])  # gates past the overflow
             panels = native.pack_linear(w)
             for rows in (1, 5, 13, 16, 64, 130):
-                x = (torch.randn(rows, k, generator=g) * 2).to(torch.bfloat16)
+                x = (torch.randn(rows, k, generator=g) * 2).to(dtype)
                 for b in (None, bias):
-                    want = lib.silu_and_mul(lib.linear_bf16_panels(x, panels, b, 2 * d))
+                    want = lib.silu_and_mul(linear(x, panels, b, 2 * d))
                     got = lib.gate_up_silu(x, panels, b, 2 * d)
-                    assert got.shape == (rows, d) and got.dtype == torch.bfloat16
-                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (d, rows)
+                    assert got.shape == (rows, d) and got.dtype == dtype
+                    assert torch.equal(got.view(bits), want.view(bits)), (d, rows)
     finally:
         torch.set_num_threads(before)
-    w = torch.randn(2 * 48, 64).to(torch.bfloat16)  # d 48: panels would mix gate and up
-    with pytest.raises(RuntimeError, match="multiple of 64; otherwise use linear_bf16_panels"):
-        lib.gate_up_silu(torch.randn(2, 64).to(torch.bfloat16), native.pack_linear(w), None, 96)
+    w = torch.randn(2 * 40, 64).to(dtype)  # d 40: a panel would mix gate and up columns
+    with pytest.raises(RuntimeError, match="multiple of 2 x the panel width"):
+        lib.gate_up_silu(torch.randn(2, 64).to(dtype), native.pack_linear(w), None, 80)
 
 
 def test_bf16_panels_are_not_packed_with_amx():
