@@ -1326,9 +1326,9 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
 // ----------------------------------------------------------------- SiLU and mul
 //
 // Reference (layers/activation.py): silu(gate) * up, rounded after each op.
-// oi[j] = silu(g[j]) * u[j], j < d: a row of silu_and_mul (gate_up_silu: a panel's
-// columns of it, which start at a multiple of 16 and end at d or a multiple of 16, so
-// each element takes the same one of the two paths below as in the row).
+// oi[j] = silu(g[j]) * u[j], j < d: a row of silu_and_mul, or gate_up_silu_bf16's 32
+// columns of one (they start and end at multiples of 16, so each element takes the same
+// one of the two paths below as in the row; float32 goes through silu_mul_f32).
 template <typename T>
 inline void silu_mul_span(const T* g, const T* u, T* oi, int64_t d) {
   int64_t j = 0;
@@ -1363,8 +1363,9 @@ inline void silu_mul_span(const T* g, const T* u, T* oi, int64_t d) {
 // float32 spans: one out-of-line copy, for silu_and_mul's rows and gate_up_silu_f32's
 // blocks alike. Inlined, the compiler vectorizes the loop by call site (libmvec's expf
 // in some lanes, scalar expf in others), and the two came out 1 ulp apart on AVX2.
-// Called with 64-byte-aligned, non-overlapping g, u and o, and n a multiple of 16, every
-// element takes the vector loop in both.
+// With 64-byte-aligned, non-overlapping g, u and o and n a multiple of 16 (the fused
+// blocks always; the rows at the shapes gate_up_silu_fits), every element takes the
+// vector loop in both.
 __attribute__((noinline)) void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
   silu_mul_span<float>(g, u, o, n);
 }
@@ -2063,10 +2064,10 @@ int64_t linear_f32_panel_width() {
 #endif
 }
 
-// The checks of the float32 panel kernels (linear_f32_panels, panels_argmax): x [M, K]
-// float32, M >= 1, with a unit inner stride, panels [ceil(n / PW), K, PW] in
-// native.pack_linear_f32's layout, and an optional contiguous bias [n] float32.
-// Returns the bias's data, or nullptr.
+// The checks of the float32 panel kernels (linear_f32_panels, gate_up_silu,
+// panels_argmax): x [M, K] float32, M >= 1, with a unit inner stride, panels
+// [ceil(n / PW), K, PW] in native.pack_linear_f32's layout, and an optional contiguous
+// bias [n] float32. Returns the bias's data, or nullptr.
 const float* check_f32_panels(const char* op, const at::Tensor& x, const at::Tensor& panels,
                               const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t PW = linear_f32_panel_width();
@@ -2179,9 +2180,9 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(gate_up_silu_fits(panels, n), "gate_up_silu: n (gate and up features) must be a "
               "multiple of 2 x the panel width (", bf ? 32 : linear_f32_panel_width(),
               "); otherwise use the linear and silu_and_mul");
-  const int64_t M = x.size(0), K = x.size(1);
   if (bf) {
     const bf16* b = check_bf16_panels("gate_up_silu", x, panels, bias, n);
+    const int64_t M = x.size(0), K = x.size(1);
     auto y = at::empty({M, n / 2}, x.options());
 #if defined(SPUR_AVX512) && defined(__AVX512BF16__)
     gate_up_silu_bf16(x.data_ptr<bf16>(), panels.data_ptr<bf16>(), b, y.data_ptr<bf16>(), M,
@@ -2190,6 +2191,7 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& panels,
     return y;
   }
   const float* b = check_f32_panels("gate_up_silu", x, panels, bias, n);
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, n / 2}, x.options());
 #ifdef SPUR_SIMD
   gate_up_silu_f32(x.data_ptr<float>(), panels.data_ptr<float>(), b, y.data_ptr<float>(), M,
@@ -2446,9 +2448,9 @@ int64_t parallel_team(int64_t n) {
 // Serve's threads in the same process take it between ops, and the step thread then
 // waits to get it back). One pair of ops is fused: where gate_up_silu_fits, gate_up and
 // SiLU-and-mul are gate_up_silu (the same bits; 1.02-1.03x on the engine's bf16
-// workload: BENCHMARKS.md, fortieth round). The caller has checked
-// what the per-op Python would have (dtypes, strides, the attention layout); each op
-// still checks its own arguments.
+// workload: BENCHMARKS.md, fortieth round). The caller has checked what the per-op
+// Python would have (dtypes, strides, the attention layout); each op still checks its
+// own arguments.
 // Per layer l: norms[2l], norms[2l + 1] (input, post-attention); panels[4l .. 4l + 3]
 // and out_features (qkv, o, gate_up, down; packed float32 or bf16 panels, one kind);
 // biases[4l], biases[4l + 2] (qkv, gate_up; o and down have none here). The decode plan
