@@ -1370,6 +1370,35 @@ __attribute__((noinline)) void silu_mul_f32(const float* g, const float* u, floa
   silu_mul_span<float>(g, u, o, n);
 }
 
+// The loop of the fused gate_up + SiLU-and-mul kernels (gate_up_silu_bf16,
+// gate_up_silu_f32), for a gate_up weight [2d, K] (gate rows first) packed in panels of
+// PW columns, d a multiple of PW: gate panels 0 .. d / PW, up panels from d / PW. A
+// thread computes gate panel i and up panel d / PW + i into [M, PW] buffers g and u of
+// its own (64-byte aligned, in L1 / L2), then act(g, u, o, i) writes their SiLU-and-mul
+// into y's columns PW i .. PW (i + 1) (o: a third such buffer, for act's use). The
+// [M, 2d] gate_up output is never written out and read back, and the activation is no
+// parallel region of its own. panel(j, out, next) computes panel j into out (row stride
+// PW) and prefetches panel `next` (-1: none): gate panel i asks for up panel i, which
+// asks for the thread's next gate panel.
+template <typename T, int PW, typename Panel, typename Act>
+void gate_up_pairs(int64_t M, int64_t d, const Panel& panel, const Act& act) {
+  const int64_t P = d / PW;
+  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
+    constexpr int64_t A = 64 / sizeof(T);
+    thread_local std::vector<T> buf;
+    buf.resize((size_t)(M * 3 * PW + A));
+    T* g = buf.data() + (A - (reinterpret_cast<uintptr_t>(buf.data()) / sizeof(T)) % A) % A;
+    T* u = g + M * PW;
+    T* o = u + M * PW;
+    for (int64_t p = pb; p < pe; ++p) {
+      panel(p, g, P + p);
+      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
+      panel(P + p, u, pn < P ? pn : -1);
+      act(g, u, o, p);
+    }
+  });
+}
+
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t n, int64_t d, int64_t x_row) {
   at::parallel_for(0, n, row_grain(2 * d), [&](int64_t b, int64_t e) {
@@ -1723,32 +1752,23 @@ void bf16_panels_run(const bf16* x, const bf16* panels, const bf16* bias, const 
 }
 
 // silu(x Wg^T + bg) * (x Wu^T + bu) -> y [M, d], for a gate_up weight [2d, K] (gate
-// rows first) packed in bf16 panels, d a multiple of 32 (gate panels 0 .. d / 32, up
-// panels from d / 32). A thread computes gate panel i and up panel d / 32 + i into
-// [M, 32] buffers of its own (in L1 / L2), then their SiLU-and-mul into y's columns
-// 32i .. 32i + 32: the [M, 2d] gate_up output is never written out and read back, and
-// the activation is no parallel region of its own. Bit for bit
-// silu_and_mul(linear_bf16_panels(x, panels, bias, 2d)): the same tiles, the same
-// roundings, the same SiLU.
+// rows first) packed in bf16 panels, d a multiple of 32 (gate_up_pairs' loop). Bit for
+// bit silu_and_mul(linear_bf16_panels(x, panels, bias, 2d)): the same tiles, the same
+// roundings, the same SiLU, row by row straight into y.
 void gate_up_silu_bf16(const bf16* x, const bf16* panels, const bf16* bias, bf16* y, int64_t M,
                        int64_t d, int64_t K, int64_t x_row) {
-  const int64_t P = d / 32, panel = K * 32;
+  const int64_t panel = K * 32;
   const int mr = bf16_tile_rows(M);
-  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
-    thread_local std::vector<bf16> buf;
-    buf.resize((size_t)M * 64);
-    bf16* g = buf.data();
-    bf16* u = g + M * 32;
-    for (int64_t p = pb; p < pe; ++p) {
-      // gate panel p asks for up panel p, which asks for the thread's next gate panel
-      bf16_panel<bf16>(x, x_row, M, mr, panels + p * panel, bias, p * 32, 32, K, g, 32,
-                       panels + (P + p) * panel);
-      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
-      bf16_panel<bf16>(x, x_row, M, mr, panels + (P + p) * panel, bias, d + p * 32, 32, K, u,
-                       32, pn < P ? panels + pn * panel : nullptr);
-      for (int64_t m = 0; m < M; ++m) silu_mul_span(g + m * 32, u + m * 32, y + m * d + p * 32, 32);
-    }
-  });
+  gate_up_pairs<bf16, 32>(
+      M, d,
+      [&](int64_t i, bf16* out, int64_t next) {
+        bf16_panel<bf16>(x, x_row, M, mr, panels + i * panel, bias, i * 32, 32, K, out, 32,
+                         next >= 0 ? panels + next * panel : nullptr);
+      },
+      [&](const bf16* g, const bf16* u, bf16*, int64_t p) {
+        for (int64_t m = 0; m < M; ++m)
+          silu_mul_span(g + m * 32, u + m * 32, y + m * d + p * 32, 32);
+      });
 }
 
 template <typename Y>
@@ -1988,31 +2008,24 @@ void linear_f32_panels_typed(const float* x, const float* panels, const float* b
   f32_panels_run(x, panels, bias, IntoY<float>{y, N}, M, N, K, x_row);
 }
 
-// gate_up_silu_bf16's float32 twin, over float32 panels of PW columns (d a multiple
-// of PW): gate panel i and up panel d / PW + i into a thread's own 64-byte-aligned
-// [M, PW] buffers, their SiLU-and-mul in one silu_mul_f32 call, copied into y's
-// columns PW i .. PW (i + 1).
+// gate_up_silu_bf16 over float32 panels of PW columns (d a multiple of PW): each
+// pair's SiLU-and-mul in one silu_mul_f32 call on the aligned buffers (bit-equal to
+// silu_and_mul's rows; see silu_mul_f32), copied into y's columns PW i .. PW (i + 1).
 void gate_up_silu_f32(const float* x, const float* panels, const float* bias, float* y,
                       int64_t M, int64_t d, int64_t K, int64_t x_row) {
   constexpr int PW = 2 * LinearVec::W;
-  const int64_t P = d / PW, panel = K * PW;
-  parallel_blocks(P, 1, [&](int64_t pb, int64_t pe, const auto& ahead) {
-    thread_local std::vector<float> buf;
-    buf.resize((size_t)M * 3 * PW + 16);
-    float* g = buf.data() + (16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16;
-    float* u = g + M * PW;
-    float* o = u + M * PW;
-    for (int64_t p = pb; p < pe; ++p) {
-      panel_product(x, x_row, M, panels + p * panel, bias, p * PW, PW, K, g, PW,
-                    panels + (P + p) * panel);
-      const int64_t pn = p + 1 < pe ? p + 1 : ahead();
-      panel_product(x, x_row, M, panels + (P + p) * panel, bias, d + p * PW, PW, K, u, PW,
-                    pn < P ? panels + pn * panel : nullptr);
-      silu_mul_f32(g, u, o, M * PW);
-      for (int64_t m = 0; m < M; ++m)
-        std::memcpy(y + m * d + p * PW, o + m * PW, PW * sizeof(float));
-    }
-  });
+  const int64_t panel = K * PW;
+  gate_up_pairs<float, PW>(
+      M, d,
+      [&](int64_t i, float* out, int64_t next) {
+        panel_product(x, x_row, M, panels + i * panel, bias, i * PW, PW, K, out, PW,
+                      next >= 0 ? panels + next * panel : nullptr);
+      },
+      [&](const float* g, const float* u, float* o, int64_t p) {
+        silu_mul_f32(g, u, o, M * PW);
+        for (int64_t m = 0; m < M; ++m)
+          std::memcpy(y + m * d + p * PW, o + m * PW, PW * sizeof(float));
+      });
 }
 #else
 constexpr bool kLinearF32 = false;
