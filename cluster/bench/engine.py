@@ -237,7 +237,9 @@ def run_spur_arm(
                 floor.update(_kv_floor(kv_bytes, rate, matmul_s, elapsed))
                 if share_rounds > 1:
                     floor.update(
-                        _share_rounds(llm, prompts, params, shapes, share_rounds, matmul_s, elapsed)
+                        _share_rounds(
+                            llm, prompts, params, shapes, share_rounds, matmul_s, elapsed, rate
+                        )
                     )
             profile = step_profile(before_times, after_times, elapsed, spur_matmul_s)
         finally:
@@ -368,10 +370,18 @@ def _share_rounds(
     rounds: int,
     matmul_s: float,
     elapsed: float,
+    rate: float,
 ) -> dict[str, Any]:
-    """`rounds` paired (run, torch-path replay) measurements, the first given; see
-    `run_spur_arm`. Odd rounds replay first, even ones run first."""
-    out = [{"elapsed_s": round(elapsed, 3), "matmul_s": round(matmul_s, 3)}]
+    """`rounds` paired (run, torch-path replay) measurements, the first given (with the
+    read rate measured after it); see `run_spur_arm`. Odd rounds replay first, even
+    ones run first. Each round's `memory_read_gbps` is the device's read rate measured
+    right after its pair: the run (decode attention reads its K/V at about that rate)
+    and the replay (matmuls only) hang on it unequally, so a round taken while a
+    neighbour loads the memory shows it."""
+    gbps = round(rate / 1e9, 2)
+    out = [
+        {"elapsed_s": round(elapsed, 3), "matmul_s": round(matmul_s, 3), "memory_read_gbps": gbps}
+    ]
     for r in range(1, rounds):
         llm.scheduler.kv.reset_prefix_cache()
         replay = None
@@ -384,10 +394,12 @@ def _share_rounds(
         steps = _shape_delta(before, llm.executor.collective_rpc("step_times")[0]["shapes"])
         if replay is None:
             replay = max(llm.executor.collective_rpc("time_matmuls", (shapes, True)))
+        rate = min(llm.executor.collective_rpc("memory_read_rate"))
         out.append(
             {
                 "elapsed_s": round(run_s, 3),
                 "matmul_s": round(replay, 3),
+                "memory_read_gbps": round(rate / 1e9, 2),
                 "order": "replay, run" if r % 2 else "run, replay",
                 "same_steps": sorted(steps) == sorted(shapes),
             }

@@ -242,8 +242,9 @@ def test_bench_engine_matmul_floor_replays_the_timed_steps(llama_dir, tp):
 def test_bench_engine_share_rounds_pair_each_run_with_its_replay(llama_dir):
     """`share_rounds`: the run and its torch-path replay measured again in pairs, the
     prefix cache emptied between runs (with it on, a repeat would hit every prompt and
-    take fewer, smaller steps), the order alternating; the headline is the median, and
-    beside it the median against the rounds' fastest replay."""
+    take fewer, smaller steps), the order alternating, each pair followed by a read-rate
+    measurement; the headline is the median, and beside it the median against the
+    rounds' fastest replay."""
     from spur.cluster.bench import engine
 
     out = engine.run(
@@ -261,8 +262,9 @@ def test_bench_engine_share_rounds_pair_each_run_with_its_replay(llama_dir):
     assert rounds[0]["elapsed_s"] == spur["elapsed_s"] and rounds[0]["matmul_s"] == spur["matmul_s"]
     assert [r.get("order") for r in rounds] == [None, "replay, run", "run, replay"]
     assert all(r["same_steps"] for r in rounds[1:])
+    assert rounds[0]["memory_read_gbps"] == spur["memory_read_gbps"]
     for r in rounds:
-        assert r["elapsed_s"] > 0 and r["matmul_s"] > 0
+        assert r["elapsed_s"] > 0 and r["matmul_s"] > 0 and r["memory_read_gbps"] > 0
         assert r["share"] == pytest.approx(r["matmul_s"] / r["elapsed_s"], abs=1e-3)
     assert spur["matmul_share_median"] == sorted(r["share"] for r in rounds)[1]
     assert entry["ceiling_share_median"] == spur["matmul_share_median"]
