@@ -2008,9 +2008,10 @@ void linear_f32_panels_typed(const float* x, const float* panels, const float* b
   f32_panels_run(x, panels, bias, IntoY<float>{y, N}, M, N, K, x_row);
 }
 
-// gate_up_silu_bf16 over float32 panels of PW columns (d a multiple of PW): each
-// pair's SiLU-and-mul in one silu_mul_f32 call on the aligned buffers (bit-equal to
-// silu_and_mul's rows; see silu_mul_f32), copied into y's columns PW i .. PW (i + 1).
+// gate_up_silu_bf16's float32 counterpart, over float32 panels of PW columns (d a
+// multiple of PW; gate_up_pairs' loop): each pair's SiLU-and-mul in one silu_mul_f32
+// call on the aligned buffers (bit-equal to silu_and_mul's rows; see silu_mul_f32),
+// copied into y's columns PW i .. PW (i + 1).
 void gate_up_silu_f32(const float* x, const float* panels, const float* bias, float* y,
                       int64_t M, int64_t d, int64_t K, int64_t x_row) {
   constexpr int PW = 2 * LinearVec::W;

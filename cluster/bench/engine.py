@@ -375,9 +375,10 @@ def _share_rounds(
     """`rounds` paired (run, torch-path replay) measurements, the first given (with the
     read rate measured after it); see `run_spur_arm`. Odd rounds replay first, even
     ones run first. Each round's `memory_read_gbps` is the device's read rate measured
-    right after its pair: the run (decode attention reads its K/V at about that rate)
-    and the replay (matmuls only) hang on it unequally, so a round taken while a
-    neighbour loads the memory shows it."""
+    right after its pair, so the memory's state is on record beside each share: the
+    run streams the K/V of every decode step, the replay only the weights, and a
+    neighbour's load on a shared VM moved the rate between 46 and 83 GB/s within
+    minutes (BENCHMARKS.md, forty-first round)."""
     gbps = round(rate / 1e9, 2)
     out = [
         {"elapsed_s": round(elapsed, 3), "matmul_s": round(matmul_s, 3), "memory_read_gbps": gbps}
