@@ -1,7 +1,8 @@
 """Native CPU ops: a torch C++ extension built on first use, run in torch's thread pool.
 
-`cpu_ops.cpp` holds the ops of the CPU serving path that torch composes from many
-small kernels (see its header): paged decode attention reading K/V in place through
+`cpu_ops.cpp` (one translation unit; the ops' families in `cpu/*.h`, included there)
+holds the ops of the CPU serving path that torch composes from many small kernels (see
+its header): paged decode attention reading K/V in place through
 the block tables, RMSNorm with the residual add fused, SiLU-and-mul, RoPE fused
 with the KV store, and linears: on weights packed once at load, bf16 on CPUs with
 AVX-512 BF16 and no AMX (`linear_bf16_panels`: pairs for vdpbf16ps) and float32 on
@@ -58,11 +59,19 @@ from spur.configs import cpu, env
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+PARTS = Path(__file__).with_name("cpu")  # the ops' families, `#include`d by SOURCE
 FLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]  # + cpu.march_flags
 DTYPES = (torch.float32, torch.bfloat16)  # activation and cache dtypes the ops take
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+
+
+def source_bytes() -> bytes:
+    """The build's source text: SOURCE and every part it includes (`cpu/*.h`, by name),
+    so that a change to any of them is a new build (the cache key hashes this)."""
+    parts = sorted(PARTS.glob("*.h"))
+    return SOURCE.read_bytes() + b"".join(p.name.encode() + p.read_bytes() for p in parts)
 
 
 def _cpu_flags() -> str:
@@ -94,7 +103,7 @@ def build(cxx: str | None = None) -> Any:
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not on PATH: `pip install ninja` (a spur dependency)")
     key = hashlib.sha256(
-        SOURCE.read_bytes()
+        source_bytes()
         + " ".join(_cflags()).encode()
         + torch.__version__.encode()
         + _cpu_flags().encode()
@@ -315,8 +324,8 @@ def prefill_attention(
     scale: float,
 ) -> None:
     """Causal attention of the plan's prefill chunks over the paged cache in place, in
-    tiles of 16 query tokens (kernels/cpu_ops.cpp); writes their rows of out, nothing
-    else. Shapes as in decode_attention; see prefill_tiles for what it serves."""
+    tiles of 16 query tokens (kernels/cpu/prefill_attention.h); writes their rows of out,
+    nothing else. Shapes as in decode_attention; see prefill_tiles for what it serves."""
     q = _attention_query(query, out, k_cache, v_cache)
     lib.prefill_attention(q, out, k_cache, v_cache, plan.tables, plan.chunks, scale)
 
@@ -377,7 +386,7 @@ def decode_lanes(lib: Any) -> list[int]:
 # round, SmolLM2's shapes: 1.2-2.5x at 1-16 rows, 0.6-1.35x at 32-64, where its dot
 # products run out of vdpbf16ps throughput). With AMX, oneDNN's tiles serve batches
 # past 4 rows (the bound the Xeon rounds used). The op itself takes 1 to
-# SMALL_LINEAR_OP_ROWS (cpu_ops.cpp, kSmallLinearMaxRows: change both together).
+# SMALL_LINEAR_OP_ROWS (cpu/linear_bf16.h, kSmallLinearMaxRows: change both together).
 SMALL_LINEAR_MAX_ROWS = 16
 SMALL_LINEAR_AMX_ROWS = 4
 SMALL_LINEAR_OP_ROWS = 64
@@ -389,7 +398,7 @@ SMALL_LINEAR_OP_ROWS = 64
 # 1.6-3.2x at 8-16, 1.1-2.0x at 32; twelfth round, EPYC with AVX-512: 1.5-4.7x up to
 # 64 rows, 1.1-1.6x at 65, 2.2x at 2048). Within 1 to 64 rows a row's sums run the
 # same FMAs whatever the batch, so decode is batch-invariant up to 64 requests. The
-# op's own constant (cpu_ops.cpp, kLinearF32UnitRows): change both together.
+# op's own constant (cpu/linear_f32.h, kLinearF32UnitRows): change both together.
 LINEAR_F32_UNIT_ROWS = 64
 
 # Panel widths (native.pack_linear_f32) of the builds whose float32 linears are packed

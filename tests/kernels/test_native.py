@@ -191,6 +191,27 @@ def test_other_cache_dtypes_stay_on_sdpa(cache_dtype):
     assert native.decode_kernel(case.query, case.kv_cache) is None
 
 
+def test_every_part_of_the_source_is_built_and_keyed():
+    """cpu_ops.cpp includes each ops family under kernels/cpu/ once, and the build's key
+    hashes them all: a change to any part is a new build, never a stale library. The
+    parts ship with the package (pyproject's package data)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    included = re.findall(r'^#include "cpu/([^"]+)"$', native.SOURCE.read_text(), re.M)
+    parts = sorted(p.name for p in native.PARTS.glob("*.h"))
+    assert parts and sorted(included) == parts and len(set(included)) == len(included)
+    text = native.source_bytes()
+    for p in native.PARTS.glob("*.h"):
+        assert p.read_bytes() in text, f"{p.name} is not in the build's key"
+    pyproject = Path(native.__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.exists():  # a checkout, not an installed wheel
+        data = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+        assert "spur.kernels.cpu" in data["packages"]
+        assert data["package-data"]["spur.kernels.cpu"] == ["*.h"]
+
+
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))  # no cached library to reuse
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):

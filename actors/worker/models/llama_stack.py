@@ -16,7 +16,7 @@ window, SiLU gating, no tensor parallelism, and an attention layout with no SDPA
 (prefill chunks of contexts up to `reference.NATIVE_PREFILL_MAX_CONTEXT` are in the
 native plan). Otherwise it returns None and the model runs layer by layer. Where every
 linear reads packed panels (`PackedWeight`) of one kind and o_proj / down_proj have no
-bias, the whole loop is one native call (`decoder_stack`, kernels/cpu_ops.cpp): no
+bias, the whole loop is one native call (`decoder_stack`, kernels/cpu/stack.h): no
 Python between the ops, and the GIL released once a step instead of at every op.
 Otherwise the loop runs here, op by op; unpacked weights, or the benches'
 `native.torch_linears`, go through the layer's own `_linear` as before.
