@@ -169,16 +169,22 @@ def test_cluster_never_imports_torch():
 
 def test_every_package_folder_is_installed():
     """A package missing from pyproject.toml works in an editable install and
-    vanishes from a wheel; list every folder with an __init__.py."""
-    declared = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
+    vanishes from a wheel; list every folder with an __init__.py, and every folder of
+    data only (kernels/cpu: C++ sources) with its package data."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = set(setuptools["packages"])
     found = {"spur"}  # the lazy top-level package (spur/__init__.py)
     for top in TOP_PACKAGES:
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT)
             found.add("spur." + ".".join(rel.parts))
-    assert found == declared, f"missing: {found - declared}, stale: {declared - found}"
+    data_only = declared - found
+    for name in data_only:
+        folder = ROOT.joinpath(*name.split(".")[1:])
+        assert folder.is_dir() and not list(folder.glob("*.py")), f"{name}: no such data folder"
+        globs = setuptools["package-data"].get(name, [])
+        assert globs and all(list(folder.glob(g)) for g in globs), f"{name}: no package data"
+    assert found | data_only == declared, f"missing: {found - declared}"
 
 
 def test_top_level_spur_package_is_lazy():
