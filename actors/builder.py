@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from spur.actors import generation_config as gen_config
 from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
+from spur.actors.engine.core.capacity import context_tokens
 from spur.actors.engine.core.engine_core import EngineCore
 from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
 from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -283,7 +284,15 @@ def build_engine(
         if max_model_len is None:
             max_model_len = min(
                 info.max_position_embeddings,
-                longest_request(groups, num_blocks, args.block_size, args.max_num_batched_tokens),
+                max(
+                    1,
+                    context_tokens(
+                        groups,
+                        usable_blocks=num_blocks - 1,
+                        block_size=args.block_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                    ),
+                ),
             )
         scheduler = Scheduler(
             args.scheduler_config(max_model_len), kv_config, enable_kv_events=enable_kv_events
@@ -332,26 +341,6 @@ def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:
         return build_groups(info.geometry)[0]
     spec = FullAttentionSpec(info.num_kv_heads, info.head_dim, info.kv_dtype_bytes)
     return (KVCacheGroup(spec, info.num_attention_layers),)
-
-
-def longest_request(
-    groups: tuple[KVCacheGroup, ...], num_blocks: int, block_size: int, max_chunk: int
-) -> int:
-    """Most tokens one request may have so that its blocks, summed over the
-    groups by the capacity formula, fit the pool's usable blocks (at least 1)."""
-    usable = num_blocks - 1
-
-    def fits(tokens: int) -> bool:
-        return sum(g.spec.max_blocks(tokens, block_size, max_chunk) for g in groups) <= usable
-
-    lo, hi = 1, usable * block_size
-    while lo < hi:  # largest fitting length; the bounds grow monotonically with it
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def load_tokenizer(model_dir: str) -> Any | None:

@@ -358,7 +358,10 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         labels=ENGINE_LABELS,
     )
     pool = GaugeMetricFamily(
-        "spur:capacity_pool_tokens", "Tokens the KV pool holds.", labels=ENGINE_LABELS
+        "spur:capacity_pool_tokens",
+        "Tokens of context the KV pool holds at most: all in one request (every further "
+        "request takes its own state and sliding-window blocks).",
+        labels=ENGINE_LABELS,
     )
     age = GaugeMetricFamily(
         "spur:engine_stats_age_seconds",

@@ -71,6 +71,8 @@ def test_hybrid_geometry_groups_and_padding_is_logged(caplog):
     assert "33.0% padding" in caplog.text
     assert r.blocks_per_request == 164 + 4 * 2
     assert r.max_concurrency == 999 // 172
+    # one request alone: its 4 state groups keep 2 blocks each, the rest holds tokens
+    assert r.tokens == (999 - 4 * 2) * 800
 
 
 def test_sliding_and_mamba_geometries():
@@ -88,6 +90,7 @@ def test_sliding_and_mamba_geometries():
     )
     # sliding: ceil((512 - 1 + 256) / 16) + 1 = 49 blocks, full: 512
     assert [g.blocks_per_request for g in r.groups] == [512, 49]
+    assert r.tokens == (4999 - 49) * 16  # the window's 49 blocks come off the pool
     mamba = cap.geometry_from_hf_config(
         {
             **SMOLLM2_CONFIG,
@@ -217,3 +220,23 @@ def test_cli_capacity_errors_name_the_problem(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["capacity", "--model", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_context_tokens_is_the_largest_that_fits():
+    """Two attention groups and a state group (4 full layers, 2 state layers: groups
+    of 2): a token costs a slot in both attention groups. By hand for 99 usable
+    blocks of 16: 2 * ceil(T / 16) + 2 <= 99 gives 48 blocks a group, T = 768."""
+    full = cap.KVCacheGroup(cap.FullAttentionSpec(2, 64, 2), 2)
+    state = cap.KVCacheGroup(cap.StateSpec(4096), 2)
+    groups = (full, full, state)
+    tokens = cap.context_tokens(groups, usable_blocks=99, block_size=16, max_num_batched_tokens=64)
+    assert tokens == 768
+    need = [sum(g.spec.max_blocks(t, 16, 64) for g in groups) for t in (tokens, tokens + 1)]
+    assert need == [98, 100]
+    assert (
+        cap.context_tokens((full,), usable_blocks=99, block_size=16, max_num_batched_tokens=64)
+        == 99 * 16
+    )
+    assert (
+        cap.context_tokens(groups, usable_blocks=2, block_size=16, max_num_batched_tokens=64) == 0
+    )

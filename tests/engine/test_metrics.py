@@ -187,6 +187,9 @@ def test_state_groups_are_reported_per_group() -> None:
     assert [g["kind"] for g in snap["capacity"]] == ["full", "state"]
     assert all(g["peak_ratio"] <= 1.0 for g in snap["capacity"])
     assert metrics.leak_violations == 0
+    # the pool's tokens: one request alone keeps 2 state blocks, 253 hold its context
+    info = engine_info(sched.kv.config, sched.config, None)
+    assert info["pool_tokens"] == (255 - 2) * 4
 
 
 # -- request phases and counts as vLLM defines them ------------------------------------------

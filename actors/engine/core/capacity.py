@@ -11,7 +11,11 @@ states how many requests of `max_model_len` tokens fit at once:
                    split into groups of that many layers)
     block_bytes  = page_bytes * group_size      (one page per layer of a group)
     num_blocks   = kv_bytes // block_bytes       (or given), usable = num_blocks - 1
-    tokens       = usable * block_size
+    tokens       = the longest context one request holds with the pool to itself:
+                   the largest T <= usable * block_size with the sum over groups of
+                   blocks per request of T tokens (below) <= usable (a plain model:
+                   usable * block_size; state and sliding groups' fixed blocks and
+                   a second attention group's blocks come off it)
     blocks per request of L tokens, per group  (groups.*Spec.max_blocks):
         full     ceil(L / bs)
         sliding  min(ceil(L / bs), ceil((W - 1 + C) / bs) + 1)   C = max_num_batched_tokens
@@ -264,6 +268,7 @@ class CapacityReport:
     usable_blocks: int
     block_bytes: int
     tokens: int
+    """The longest context one request holds with the pool to itself (`context_tokens`)."""
     max_model_len: int
     blocks_per_request: int
     max_concurrency: int
@@ -337,13 +342,43 @@ def capacity(
         num_blocks=num_blocks,
         usable_blocks=usable,
         block_bytes=block_bytes,
-        tokens=usable * block_size,
+        tokens=context_tokens(
+            groups,
+            usable_blocks=usable,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
         max_model_len=max_model_len,
         blocks_per_request=per_request,
         max_concurrency=usable // per_request if per_request else 0,
         groups=reports,
         padding_percent=round(total_padding, 2),
     )
+
+
+def context_tokens(
+    groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup],
+    *,
+    usable_blocks: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """The longest context one request holds with the pool to itself: the largest
+    T <= usable_blocks * block_size whose blocks over all groups
+    (`spec.max_blocks(T, ...)`, non-decreasing in T) fit in usable_blocks; 0 when
+    not even one token fits."""
+
+    def fits(t: int) -> bool:
+        need = sum(g.spec.max_blocks(t, block_size, max_num_batched_tokens) for g in groups)
+        return need <= usable_blocks
+
+    lo, hi = 0, usable_blocks * block_size
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def kv_cache_config(

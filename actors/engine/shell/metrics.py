@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spur.actors.engine.core.capacity import context_tokens
 from spur.actors.engine.core.request import Request
 
 fork_id = Request.fork_id
@@ -420,7 +421,9 @@ class EngineMetrics:
 
 def engine_info(kv_config: Any, scheduler_config: Any, args: Any) -> dict[str, Any]:
     """Start-up facts of an engine: vLLM's cache_config_info labels plus spur's
-    capacity claim (requests of max_model_len the pool holds, tokens in the pool)."""
+    capacity claim: requests of max_model_len the pool holds, and the longest
+    context one request holds with the pool to itself (`capacity.context_tokens`:
+    usable blocks * block_size for a plain model, less for a hybrid one)."""
     bs = kv_config.block_size
     usable = kv_config.num_blocks - 1
     per_request = sum(
@@ -441,7 +444,12 @@ def engine_info(kv_config: Any, scheduler_config: Any, args: Any) -> dict[str, A
             "max_model_len": str(scheduler_config.max_model_len),
         },
         "claimed_max_concurrency": usable // per_request if per_request else 0,
-        "pool_tokens": usable * bs,
+        "pool_tokens": context_tokens(
+            kv_config.groups,
+            usable_blocks=usable,
+            block_size=bs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        ),
         "groups": [g.spec.kind for g in kv_config.groups],
     }
 
