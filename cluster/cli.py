@@ -664,7 +664,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def _print_capacity(r: dict[str, Any]) -> None:
     print(f"model {r['model']}: {r['num_blocks']:,} blocks of {r['block_size']} tokens")
     print(
-        f"  tokens {r['tokens']:,}, block {r['block_bytes']:,} B, padding {r['padding_percent']}%"
+        f"  tokens {r['tokens']:,} (the longest context one request holds alone), "
+        f"block {r['block_bytes']:,} B, padding {r['padding_percent']}%"
     )
     print(f"  max concurrency at {r['max_model_len']:,} tokens: {r['max_concurrency']:,}")
     for g in r["groups"]:

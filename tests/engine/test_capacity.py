@@ -211,6 +211,7 @@ def test_cli_capacity_simulation_json(tmp_path, capsys):
     assert result["peak_blocks_held"]["total"] == result["geometry_blocks"]["total"] == 114
     assert result["simulation"]["leak_violations"] == 0
     assert result["groups"][1]["padding_percent"] == 33.0
+    assert result["tokens"] == (1999 - 4 * 2) * 800  # the 4 state groups keep 2 blocks each
 
 
 def test_cli_capacity_errors_name_the_problem(tmp_path, capsys):

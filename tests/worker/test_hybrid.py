@@ -141,6 +141,10 @@ def test_state_prefix_hit_equals_cold_run(hybrid_dir):
     cold = _generate(path, [b], num_kv_blocks=128, block_size=16)
     llm = LLM(str(path), num_kv_blocks=128, block_size=16)
     try:
+        # max_model_len unset: the longest context the pool holds for one request, by
+        # hand: 127 usable blocks less the 2 state groups' 2 blocks each, 16 tokens a block
+        assert [m.spec.kind for m in llm.scheduler.kv.managers] == ["full", "state", "state"]
+        assert llm.scheduler.config.max_model_len == (127 - 2 * 2) * 16
         llm.generate([a], GREEDY)
         (out,) = llm.generate([b], GREEDY)
         assert out.num_cached_tokens == 144  # 9 blocks: the last boundary inside the prefix
