@@ -202,6 +202,11 @@ CAPACITY = Dashboard(
         Panel(
             "KV pool tokens",
             ((f"sum by (lane) (spur:capacity_pool_tokens{SEL})", "{{lane}}"),),
+            description=(
+                "Per lane, the sum over its replicas of the longest context one request "
+                "holds with a replica's KV pool to itself: blocks x block size for a plain "
+                "model, less for a hybrid one (each request's state blocks come off it)."
+            ),
         ),
     ),
 )

@@ -359,8 +359,8 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     )
     pool = GaugeMetricFamily(
         "spur:capacity_pool_tokens",
-        "Tokens of context the KV pool holds at most: all in one request (every further "
-        "request takes its own state and sliding-window blocks).",
+        "The longest context one request can hold with the KV pool to itself, in tokens "
+        "(at most usable blocks x block size).",
         labels=ENGINE_LABELS,
     )
     age = GaugeMetricFamily(

@@ -296,9 +296,11 @@ class CacheConfig(_Section):
         return self
 
     @property
-    def pool_tokens(self) -> int | None:
+    def token_slots(self) -> int | None:
         """Token slots in the pool when its block count is configured (null block
-        excluded), else None: byte-based sizing is resolved once the model is loaded."""
+        excluded), else None: byte-based sizing is resolved once the model is loaded.
+        A bound the config can check before the model is known; a hybrid model's
+        state blocks take more off it, which the engine checks at start."""
         if self.num_kv_blocks is None:
             return None
         return (self.num_kv_blocks - 1) * self.block_size
@@ -441,13 +443,14 @@ class EngineConfig(_Section):
                 "runtime.attn_backend is 'triton' but parallelism.device is 'cpu': "
                 "Triton has no CPU backend; use 'torch' or 'auto'"
             )
-        pool = self.cache.pool_tokens
+        slots = self.cache.token_slots
         wanted = self.model.max_model_len
-        if pool is not None and wanted is not None and wanted > pool:
+        if slots is not None and wanted is not None and wanted > slots:
             need = -(-wanted // self.cache.block_size) + 1
             problems.append(
                 f"model.max_model_len is {wanted:,} tokens but cache.num_kv_blocks "
-                f"{self.cache.num_kv_blocks:,} holds {pool:,} (one block is the null block): "
+                f"{self.cache.num_kv_blocks:,} has {slots:,} token slots (one block is the "
+                "null block): "
                 f"raise num_kv_blocks to at least {need:,} or lower max_model_len"
             )
         if problems:

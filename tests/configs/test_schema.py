@@ -244,9 +244,9 @@ def test_engine_cross_field_rules():
     assert lines == [
         "lanes[0].engine: runtime.attn_backend is 'triton' but parallelism.device is 'cpu': "
         "Triton has no CPU backend; use 'torch' or 'auto'",
-        "lanes[0].engine: model.max_model_len is 1,000 tokens but cache.num_kv_blocks 10 holds "
-        "144 (one block is the null block): raise num_kv_blocks to at least 64 or lower "
-        "max_model_len",
+        "lanes[0].engine: model.max_model_len is 1,000 tokens but cache.num_kv_blocks 10 has "
+        "144 token slots (one block is the null block): raise num_kv_blocks to at least 64 or "
+        "lower max_model_len",
     ]
 
 
