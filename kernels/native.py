@@ -24,7 +24,9 @@ The extension is compiled once per machine with `torch.utils.cpp_extension.load`
 under spur's cache directory (`configs/env.py`), keyed by the source, the flags, the
 compiler, the torch version and the CPU's feature flags (the build uses -march=native, or
 the x86-64 level SPUR_CPU_TARGET names: configs/cpu.py); a cached
-build loads in well under a second, a fresh one takes 20 to 60 s. Without a compiler
+build loads in well under a second, a fresh one takes 20 to 60 s. Builders of one folder
+take turns under an flock, and one killed mid-build leaves nothing that blocks the next
+(`_folder_lock`). Without a compiler
 or ninja, or with SPUR_NATIVE_KERNELS=0 (read once per process: `enabled`), `ops()`
 returns None and every caller takes
 its pure-torch path (SDPA for attention); a failed build is logged once, with the
@@ -84,6 +86,18 @@ def _cflags() -> list[str]:
     return [*FLAGS, *cpu.march_flags(cpu.here().target)]
 
 
+def _key(cxx: str) -> str:
+    """The build's cache key: the source, flags, torch, CPU, machine and compiler."""
+    return hashlib.sha256(
+        source_bytes()
+        + " ".join(_cflags()).encode()
+        + torch.__version__.encode()
+        + _cpu_flags().encode()
+        + platform.machine().encode()
+        + cxx.encode()
+    ).hexdigest()[:16]
+
+
 def build(cxx: str | None = None) -> Any:
     """Compile (unless cached) and load the extension; returns `torch.ops.spur_cpu`.
 
@@ -102,14 +116,7 @@ def build(cxx: str | None = None) -> Any:
         _put_pip_ninja_on_path()
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not on PATH: `pip install ninja` (a spur dependency)")
-    key = hashlib.sha256(
-        source_bytes()
-        + " ".join(_cflags()).encode()
-        + torch.__version__.encode()
-        + _cpu_flags().encode()
-        + platform.machine().encode()
-        + cxx.encode()
-    ).hexdigest()[:16]
+    key = _key(cxx)
     loaded = _state.get("loaded")
     if loaded == key:
         return torch.ops.spur_cpu
@@ -124,15 +131,15 @@ def build(cxx: str | None = None) -> Any:
     old = os.environ.get("CXX")
     os.environ["CXX"] = cxx  # cpp_extension reads the compiler from the environment
     try:
-        # torch serialises concurrent builders of one folder with a lock file in it.
-        cpp_extension.load(
-            name=f"spur_cpu_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=_cflags(),
-            build_directory=str(out),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _folder_lock(out):
+            cpp_extension.load(
+                name=f"spur_cpu_{key}",
+                sources=[str(SOURCE)],
+                extra_cflags=_cflags(),
+                build_directory=str(out),
+                is_python_module=False,
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         raise RuntimeError(
             f"building {SOURCE.name} with {cxx} failed:\n{str(exc)[-2000:]}"
@@ -144,6 +151,43 @@ def build(cxx: str | None = None) -> Any:
             os.environ["CXX"] = old
     _state["loaded"] = key
     return torch.ops.spur_cpu
+
+
+@contextmanager
+def _folder_lock(out: Path) -> Iterator[None]:
+    """Hold `out`'s build lock across processes: an flock on `out/build.flock`, which the
+    kernel releases when its holder exits, however it exits.
+
+    torch's `cpp_extension.load` serialises builders of a folder with a lock file
+    (`out/lock`) that only a builder that finishes removes; one killed mid-build (a
+    stopped CI job, an OOM kill, Ctrl-C in a container) leaves it, and every later load
+    of that folder, even of an up-to-date library, waits for it forever. Under the flock
+    no other spur builder is in the folder, so a `lock` file found there is such a
+    leftover: it is removed (and logged) before torch looks.
+    """
+    import fcntl
+
+    with open(out / "build.flock", "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                logger.warning(
+                    "native kernels: removing %s, left by a build that did not finish", stale
+                )
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def build_folder() -> Path | None:
+    """The folder `build()` compiles into and loads from for this source, compiler and CPU
+    (the key of its name covers them all); None without a compiler."""
+    cxx = env.cxx_compiler() or "c++"
+    if shutil.which(cxx) is None:
+        return None
+    return env.cache_dir() / "native" / f"cpu_ops-{_key(cxx)}"
 
 
 def _put_pip_ninja_on_path() -> None:

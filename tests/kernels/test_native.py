@@ -212,6 +212,35 @@ def test_every_part_of_the_source_is_built_and_keyed():
         assert data["package-data"]["spur.kernels.cpu"] == ["*.h"]
 
 
+def test_a_build_killed_midway_does_not_hang_the_next():
+    """A builder killed while compiling leaves torch's `lock` file in the build folder, and
+    torch's loader waits for that file to go, forever, even for an up-to-date library.
+    The next build (another process: this one has its library loaded) removes it under
+    its own flock, says so, and loads within the deadline."""
+    import subprocess
+    import sys
+
+    folder = native.build_folder()
+    if folder is None:
+        pytest.skip("no C++ compiler")
+    native.build()  # the library is built: the other process only loads it
+    stale = folder / "lock"
+    stale.touch()
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", "from spur.kernels import native; native.build(); print('ok')"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        left = stale.exists()
+        stale.unlink(missing_ok=True)  # never leave the suite's own build wedged
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    assert not left
+    assert "left by a build that did not finish" in run.stderr
+
+
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))  # no cached library to reuse
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
