@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from spur.configs import cpu, env
+from spur.configs import cache, cpu, env
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ def build(cxx: str | None = None) -> Any:
 
 @contextmanager
 def _folder_lock(out: Path) -> Iterator[None]:
-    """Hold `out`'s build lock across processes: an flock on `out/build.flock`, which the
-    kernel releases when its holder exits, however it exits.
+    """Hold `out`'s build lock across processes (`cache.lock` on `out/build.flock`: the
+    kernel releases it when its holder exits, however it exits).
 
     torch's `cpp_extension.load` serialises builders of a folder with a lock file
     (`out/lock`) that only a builder that finishes removes; one killed mid-build (a
@@ -165,20 +165,14 @@ def _folder_lock(out: Path) -> Iterator[None]:
     no other spur builder is in the folder, so a `lock` file found there is such a
     leftover: it is removed (and logged) before torch looks.
     """
-    import fcntl
-
-    with open(out / "build.flock", "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            stale = out / "lock"
-            if stale.exists():
-                logger.warning(
-                    "native kernels: removing %s, left by a build that did not finish", stale
-                )
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    with cache.lock(out / "build.flock"):
+        stale = out / "lock"
+        if stale.exists():
+            logger.warning(
+                "native kernels: removing %s, left by a build that did not finish", stale
+            )
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def build_folder() -> Path | None:

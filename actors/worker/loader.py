@@ -24,7 +24,6 @@ takes this TP rank's slice), and swapped in with `load_state_dict(assign=True)`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -46,7 +45,7 @@ from tqdm.auto import tqdm
 
 from spur.actors.worker.layers.parallel_state import TPGroup
 from spur.actors.worker.models import registry
-from spur.configs import env
+from spur.configs import cache, env
 
 logger = logging.getLogger(__name__)
 
@@ -159,16 +158,6 @@ def _gguf_cache_key(gguf: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
     """Dequantize `gguf` into a cached safetensors folder once; return that folder.
 
@@ -190,7 +179,7 @@ def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
             f"cannot create the model cache {models_dir} ({exc}): set SPUR_CACHE_DIR to a "
             "writable folder"
         ) from exc
-    with _file_lock(models_dir / f".{target.name}.lock"):
+    with cache.lock(models_dir / f".{target.name}.lock"):
         if (target / "config.json").is_file():  # another process finished first
             return target
         # Holding the lock, any temp folder of this target is a crashed conversion's.

@@ -15,7 +15,6 @@ weights around their identity, GDN decays varied per head.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from spur.configs import env
+from spur.configs import cache, env
 
 logger = logging.getLogger(__name__)
 
@@ -177,16 +176,6 @@ def _draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return normal(0.0, max(0.05, 1.0 / fan_in**0.5))
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Any:
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_random_model(
     preset: str, *, seed: int = 0, tokenizer: str | None = None, root: Path | None = None
 ) -> Path:
@@ -201,7 +190,7 @@ def ensure_random_model(
     if (target / "config.json").is_file():
         return target
     models.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models / f".{name}.lock"):
+    with cache.lock(models / f".{name}.lock"):
         if (target / "config.json").is_file():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models))

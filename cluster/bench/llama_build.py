@@ -22,7 +22,6 @@ binaries are published).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -33,7 +32,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from spur.configs import cpu, env
+from spur.configs import cache, cpu, env
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +181,8 @@ def ensure_built(
     if cxx is None:
         raise RuntimeError("llama.cpp needs a C++ compiler: apt-get install g++ or set CXX")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent caller waits, then finds the build
+    # A concurrent caller waits, then finds the build.
+    with cache.lock(out.parent / f"{out.name}.lock"):
         if binaries(version):
             return out / "bin"
         work = _interrupted(out)
