@@ -126,7 +126,7 @@ def build(cxx: str | None = None) -> Any:
             f"build ({key}: a changed source, compiler or flags) cannot be loaded beside it, "
             "as both register torch.ops.spur_cpu: restart the process to use it"
         )
-    out = env.cache_dir() / "native" / f"cpu_ops-{key}"
+    out = _folder(key)
     out.mkdir(parents=True, exist_ok=True)
     old = os.environ.get("CXX")
     os.environ["CXX"] = cxx  # cpp_extension reads the compiler from the environment
@@ -181,7 +181,11 @@ def build_folder() -> Path | None:
     cxx = env.cxx_compiler() or "c++"
     if shutil.which(cxx) is None:
         return None
-    return env.cache_dir() / "native" / f"cpu_ops-{_key(cxx)}"
+    return _folder(_key(cxx))
+
+
+def _folder(key: str) -> Path:
+    return env.cache_dir() / "native" / f"cpu_ops-{key}"
 
 
 def _put_pip_ninja_on_path() -> None:
