@@ -316,6 +316,29 @@ def test_random_stop_strings_against_reference():
         assert detok.text == released
 
 
+def test_long_stop_strings_hold_back_exactly_their_partial_match():
+    """Stop strings of 5-40 chars over a 2-letter alphabet, so that most positions
+    of the held-back text could begin one: the text released after every update is
+    all that cannot begin a stop string, and the cut is the reference's."""
+    rng = random.Random(11)
+    pieces = ["a", "b", "ab", "ba", "aab"]
+    tok = PieceTokenizer(pieces)
+    for _ in range(200):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(5, 41))) for _ in range(2)]
+        ids = [rng.randrange(len(pieces)) for _ in range(rng.randrange(1, 60))]
+        detok = IncrementalDetokenizer(tok, [], stop=stops)
+        raw, released = "", ""
+        for i in ids:
+            if detok.stopped_by is not None:
+                break
+            raw += tok.decode([i])
+            released += detok.update([i])
+            if detok.stopped_by is None:
+                assert released == raw[: len(raw) - _longest_partial(raw, stops)], (stops, raw)
+        released += detok.finish()
+        assert (released, detok.stopped_by) == _reference(raw, stops, False), (stops, raw)
+
+
 # -- misuse --------------------------------------------------------------------
 
 

@@ -329,14 +329,36 @@ class IncrementalDetokenizer:
 
     def _partial_stop_len(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop
-        string: the text that must be held back. At most `_lookback` chars."""
+        string: the text that must be held back. At most `_lookback` chars.
+
+        A suffix of 16 chars or more must begin with the stop string's first 16, so
+        those candidates are found by one `str.find` over the last len(s) - 1 chars
+        and each checked once; the 15 shorter ones are compared directly. Comparing
+        every length (as before) was quadratic in the stop string's length, at every
+        update of every choice."""
         best = 0
+        end = len(buf)
         for s in self._stops:
-            for k in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:k]):
-                    best = k
+            longest = min(len(s) - 1, end)
+            if longest <= best:
+                continue
+            head = s[: min(HEAD_CHARS, longest)]
+            p = buf.find(head, end - longest)  # leftmost first: the longest suffix
+            while p != -1 and end - p > best:
+                if s.startswith(buf[p:]):
+                    best = end - p
                     break
+                p = buf.find(head, p + 1)
+            else:
+                for k in range(len(head) - 1, best, -1):
+                    if buf.endswith(s[:k]):
+                        best = k
+                        break
         return best
+
+
+HEAD_CHARS = 16
+"""How many first chars of a stop string `_partial_stop_len` searches for at once."""
 
 
 # -- the bytes of one token (OpenAI's logprobs `bytes`) -----------------------------------
