@@ -77,6 +77,11 @@ MAX_CHAT_TOP_LOGPROBS = 20
 """OpenAI's bound on `top_logprobs` of /v1/chat/completions."""
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on the number of stop strings."""
+MAX_STOP_CHARS = 1024
+"""spur's bound on one stop string's length. The engine holds back the last
+len(stop) - 1 characters of every choice and checks them at every token, so a stop
+string of 100,000 characters made each of its tokens cost milliseconds of the step
+that every request of the replica shares."""
 
 
 # -- request models ----------------------------------------------------------------------
@@ -192,6 +197,34 @@ class _TopLevel(BaseModel):
         return sorted(self.model_extra or {})
 
 
+REFUSED_EXTRAS: dict[str, str] = {
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "structured output",
+    ),
+    "allowed_token_ids": "a restricted vocabulary",
+    "bad_words": "banned words",
+    "logits_processors": "logits processors",
+    "use_beam_search": "beam search",
+    "echo": "echoing the prompt",
+    "audio": "audio output",
+    "web_search_options": "web search",
+}
+"""Fields of vLLM's or OpenAI's API that change what a request generates, which this
+server does not do: refused when set (a value other than null, false or empty), never
+ignored, so that a client never takes free text for a constrained answer. (Other
+unknown fields are ignored, as OpenAI clients send many.)"""
+
+
+def _check_refused_extras(extra: dict[str, Any]) -> None:
+    for name, what in REFUSED_EXTRAS.items():
+        if extra.get(name) not in (None, False, [], {}, ""):
+            raise FieldError((name,), f"{what} is not supported: remove it")
+    modalities = extra.get("modalities")
+    if modalities not in (None, [], ["text"]):
+        raise FieldError(("modalities",), 'only text output is supported: use ["text"]')
+
+
 class _Request(_TopLevel):
     """Fields common to completions and chat completions. Value ranges are
     checked by `SamplingParams`, in `to_sampling_params`."""
@@ -255,13 +288,25 @@ class _Request(_TopLevel):
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:
-        """stop: a string, or a list of at most 4 strings (or null)."""
-        if value is None or isinstance(value, str):
+        """stop: a string, or a list of at most 4 strings (or null), each of at most
+        `MAX_STOP_CHARS` characters."""
+        if value is None:
             return value
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        if isinstance(value, str):
+            stops = [value]
+        elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+            stops = value
+        else:
             raise FieldError((), "must be a string or a list of strings")
-        if len(value) > MAX_STOP_STRINGS:
-            raise FieldError((), f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise FieldError((), f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise FieldError(
+                    (),
+                    f"a stop string has {len(s):,} characters, more than {MAX_STOP_CHARS:,}: "
+                    "shorten it",
+                )
         return value
 
     @field_validator("logit_bias")
@@ -270,6 +315,11 @@ class _Request(_TopLevel):
         if value:
             raise _unsupported("remove it")
         return value
+
+    @model_validator(mode="after")
+    def _no_refused_extras(self) -> _Request:
+        _check_refused_extras(self.model_extra or {})
+        return self
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _Request:
@@ -291,6 +341,12 @@ class _Request(_TopLevel):
         `continuous_usage_stats`, which needs include_usage)."""
         opts = self.stream_options
         return self.include_usage and bool(opts and opts.continuous_usage_stats)
+
+    @property
+    def asks_max_tokens(self) -> bool:
+        """Whether the request names its max tokens (OpenAI's default of 16 for
+        completions included) rather than leaving them to the server."""
+        return self._max_tokens()[0] is not None
 
     @property
     def num_choices(self) -> int:

@@ -474,13 +474,19 @@ class Ingress:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
 
     async def _admit(
-        self, principal: Principal | None, prompt_tokens: int, max_completion_tokens: int = 0
-    ) -> tuple[Any, int | None]:
-        """Take a lease of the key's limits for this request (429 when over one), its
-        prompt and its completion's maximum charged (`LimitBook.admit`). Returns
-        (limits actor, lease id) to release, or (None, None) when the key has no limits."""
+        self,
+        principal: Principal | None,
+        prompt_tokens: int,
+        max_completion_tokens: int = 0,
+        asked: bool = False,
+    ) -> tuple[Any, int | None, int | None]:
+        """Take a lease of the key's limits for this request (429 when over one; 400 when
+        it can never fit the key's budget), its prompt and its completion's maximum
+        charged (`LimitBook.admit`; `asked`: the request named its max tokens). Returns
+        (limits actor, lease id, the completion tokens the request may generate or None
+        for no bound); (None, None, None) when the key has no limits."""
         if principal is None or not principal.limited:
-            return None, None
+            return None, None, None
         if self.limits is None:
             from spur.cluster.limits import get_limits
 
@@ -494,6 +500,7 @@ class Ingress:
                     principal.tokens_per_minute,
                     prompt_tokens,
                     max_completion_tokens,
+                    asked,
                 )
             )
         )
@@ -514,16 +521,26 @@ class Ingress:
             raise
         except Exception as exc:  # the actor restarts: fail open rather than lock out
             logger.warning("limits actor unavailable (%s): request admitted", exc)
-            return None, None
+            return None, None, None
         if "lease" in answer:
-            return limits, int(answer["lease"])
+            return limits, int(answer["lease"]), answer.get("completion_tokens")
         reason = answer.get("reason")
         if reason == "too_large":
+            budget = principal.tokens_per_minute or 0
+            if prompt_tokens >= budget:
+                raise bad_request(
+                    f"the prompt has {prompt_tokens:,} tokens, and key {principal.name!r} may "
+                    f"use {budget:,} per minute (prompt and completion): shorten it or ask "
+                    "for a higher tokens_per_minute",
+                    param="prompt",
+                    code="tokens_per_minute_exceeded",
+                )
             raise bad_request(
-                f"the prompt has {prompt_tokens:,} tokens, more than key "
-                f"{principal.name!r} may use per minute ({principal.tokens_per_minute:,}): "
-                "shorten it or ask for a higher tokens_per_minute",
-                param="prompt",
+                f"max_tokens: the prompt's {prompt_tokens:,} tokens and up to "
+                f"{max_completion_tokens:,} generated (max tokens for every choice and "
+                f"prompt) exceed the {budget:,} tokens key {principal.name!r} may use per "
+                "minute: lower max_tokens, or ask for a higher tokens_per_minute",
+                param="max_tokens",
                 code="tokens_per_minute_exceeded",
             )
         if reason == "concurrency":
@@ -685,8 +702,28 @@ class Ingress:
         salt = params.extra.get("cache_salt")
         salt = request_salt(principal, self.guard.enabled, salt)  # tenants never share
         prompt_tokens = sum(len(p) for p in prompts)
-        most = sum(max_tokens_each) if max_tokens_each else params.max_tokens * len(prompts)
-        limits, lease = await self._admit(principal, prompt_tokens, most * params.n)
+        each = max_tokens_each or [params.max_tokens] * len(prompts)
+        most = sum(each) * params.n
+        limits, lease, allowed = await self._admit(
+            principal, prompt_tokens, most, req.asks_max_tokens
+        )
+        if allowed is not None and allowed < most:
+            # The key's token budget bounds a default max_tokens: every choice gets an
+            # equal share of what it leaves (the reservation just charged).
+            share = allowed // (params.n * len(prompts))
+            if share < max(1, params.min_tokens):
+                assert limits is not None and principal is not None
+                limits.release.remote(principal.key_id, lease, 0, True)
+                raise bad_request(
+                    f"the prompt leaves {allowed:,} of the {principal.tokens_per_minute:,} "
+                    f"tokens key {principal.name!r} may use per minute, fewer than "
+                    f"{max(1, params.min_tokens):,} for each of its "
+                    f"{params.n * len(prompts):,} choices: shorten the prompt, ask for fewer "
+                    "choices, or ask for a higher tokens_per_minute",
+                    param="prompt",
+                    code="tokens_per_minute_exceeded",
+                )
+            max_tokens_each = [min(m, share) for m in each]
         payloads = [
             {
                 "request_id": f"{rid}-{i}",
@@ -712,11 +749,11 @@ class Ingress:
         fan = FanOut(streams, buffer=self.stream_buffer)
         released = False
 
-        def release(completion_tokens: int) -> None:
+        def release(completion_tokens: int, refund: bool = False) -> None:
             nonlocal released
             if limits is not None and principal is not None and not released:
                 released = True
-                limits.release.remote(principal.key_id, lease, completion_tokens)
+                limits.release.remote(principal.key_id, lease, completion_tokens, refund)
 
         try:
             await fan.ready()
@@ -737,9 +774,13 @@ class Ingress:
                     media_type="text/event-stream",
                 )
             outputs = await _collect(fan, params.n, prompts)
-        except BaseException:  # a failed prompt, or the client went away: abort them all
+        except BaseException as exc:  # a failed prompt, or the client went away: abort all
             fan.close()
-            release(sum(len(s.generated) for s in streams))  # what was computed is billed
+            generated = sum(len(s.generated) for s in streams)
+            # What was computed is billed; a request refused before its first token (a
+            # full queue, a bad prompt, no replica) is refunded, prompt included, so a
+            # client that retries after a 429 is not charged for work that never ran.
+            release(generated, refund=not generated and not isinstance(exc, asyncio.CancelledError))
             raise
         release(sum(len(c.token_ids) for o in outputs for c in o.outputs))
         for out in outputs:

@@ -1,9 +1,10 @@
 """Per-key limits, enforced across every ingress replica: concurrent generation
 requests and tokens (prompt + completion) per minute.
 
-    ingress replica ──admit(key, limits, prompt_tokens)──> LimitsActor (one, named)
-                    <── {"lease": id} | {"retry_after_s": s, "reason": ...}
-                    ──release(key, lease, completion_tokens)──>
+    ingress replica ──admit(key, limits, prompt_tokens, max_completion)──> LimitsActor
+                    <── {"lease": id, "completion_tokens": n}      (one, named)
+                        | {"retry_after_s": s, "reason": ...}
+                    ──release(key, lease, completion_tokens, refund)──>
 
 The state lives in one Ray actor (as the KV index does), so limits hold however
 many ingress replicas there are. `LimitBook` is the pure bookkeeping (unit
@@ -11,10 +12,13 @@ tested without Ray); `LimitsActor` is its thin shell. A request is admitted when
 prompt plus the completion it may still generate (its max tokens, all choices and
 prompts; at most what the budget leaves after the prompt) fits the key's window, and
 that much is charged at once, so that concurrent requests cannot overrun the budget
-before any of them is billed (OpenAI's limiter counts max_tokens too). At release the
-reservation is taken back and the completion's real tokens are charged; a window is
-the last 60 seconds. A lease that is never released (its ingress died)
-expires after `lease_ttl_s`, so a lost replica cannot pin a key's concurrency.
+before any of them is billed (OpenAI's limiter counts max_tokens too). That reservation
+is also all the request may generate: the ingress cuts a default max_tokens to it, and
+a request that asked for more than the budget can ever hold is refused. At release the
+reservation is taken back and the completion's real tokens are charged; a request that
+failed before its first token is refunded whole. A window is the last 60 seconds. A
+lease that is never released (its ingress died) expires after `lease_ttl_s`, so a lost
+replica cannot pin a key's concurrency.
 The actor restarts if it dies; counts then start from zero (a brief window of
 leniency, never a lock-out). Lease ids start at a random number in each actor's
 life, and `release` names the key, so a lease taken before a restart can never end
@@ -89,26 +93,33 @@ class LimitBook:
         tokens_per_minute: int | None,
         prompt_tokens: int,
         max_completion_tokens: int = 0,
+        asked: bool = False,
     ) -> dict[str, Any]:
         """Take a lease for one request of `prompt_tokens` that may generate up to
         `max_completion_tokens`, or refuse it.
 
-        Returns {"lease": int}: the prompt and the reservation (the completion's
-        maximum, at most what the budget leaves after the prompt) are charged now.
+        Returns {"lease": int, "completion_tokens": int | None}: the prompt and the
+        reservation (the completion's maximum, at most what the budget leaves after the
+        prompt) are charged now, and `completion_tokens` is that reservation, the most
+        the request may generate (None: no token budget, no bound).
         Or {"retry_after_s": float, "reason": "concurrency" | "tokens"} with nothing
-        charged. A prompt larger than the whole per-minute budget is refused with
-        "reason": "too_large" (it can never be admitted)."""
+        charged. A request that can never be admitted is refused with "reason":
+        "too_large": its prompt is larger than the whole per-minute budget, or leaves
+        no token of it for a completion that needs some, or (`asked`: the request named
+        its max tokens itself) its prompt plus `max_completion_tokens` exceed it."""
         now = self.clock()
         st = self._state(key_id, now)
         if max_concurrent is not None and len(st.leases) >= max_concurrent:
             self.refused["concurrency"] += 1
             return {"retry_after_s": 1.0, "reason": "concurrency"}
-        reserve = 0
+        reserve: int | None = None
         if tokens_per_minute is not None:
-            if prompt_tokens > tokens_per_minute:
+            room = tokens_per_minute - prompt_tokens
+            needs = max_completion_tokens if asked else min(max_completion_tokens, 1)
+            if room < needs:
                 self.refused["too_large"] += 1
                 return {"retry_after_s": math.inf, "reason": "too_large"}
-            reserve = max(0, min(max_completion_tokens, tokens_per_minute - prompt_tokens))
+            reserve = max(0, min(max_completion_tokens, room))
             if st.tokens_sum + prompt_tokens + reserve > tokens_per_minute:
                 # Wait until enough of the oldest charges leave the window.
                 need = st.tokens_sum + prompt_tokens + reserve - tokens_per_minute
@@ -123,16 +134,20 @@ class LimitBook:
         lease = next(self._ids)
         st.leases[lease] = now + self.lease_ttl_s
         self.lease_owner[lease] = key_id
-        charge = self._charge(st, now, prompt_tokens + reserve)
-        if reserve and charge is not None:
-            self.reserved[lease] = (charge, reserve)
-        return {"lease": lease}
+        charge = self._charge(st, now, prompt_tokens + (reserve or 0))
+        if charge is not None:
+            self.reserved[lease] = (charge, reserve or 0)
+        return {"lease": lease, "completion_tokens": reserve}
 
-    def release(self, key_id: str, lease: int, completion_tokens: int = 0) -> None:
+    def release(
+        self, key_id: str, lease: int, completion_tokens: int = 0, refund: bool = False
+    ) -> None:
         """End `key_id`'s lease: take back its reservation (while the window still
-        holds it) and charge the completion's tokens to the key. The tokens are charged
-        even when the lease is no longer known (it expired, or was taken before the
-        actor restarted); a lease that is not the key's is left alone."""
+        holds it) and charge the completion's tokens to the key. `refund`: the request
+        failed before its first token (the engine refused it, no replica could serve
+        it), so its whole admission charge, prompt included, is taken back. The tokens
+        are charged even when the lease is no longer known (it expired, or was taken
+        before the actor restarted); a lease that is not the key's is left alone."""
         owner = self.lease_owner.get(lease)
         now = self.clock()
         st = self._state(key_id, now)
@@ -141,8 +156,9 @@ class LimitBook:
             st.leases.pop(lease, None)
             charge, reserve = self.reserved.pop(lease, (None, 0))
             if charge is not None and charge.live:
-                charge.tokens -= reserve
-                st.tokens_sum -= reserve
+                back = charge.tokens if refund else reserve
+                charge.tokens -= back
+                st.tokens_sum -= back
         self._charge(st, now, completion_tokens)
 
     @staticmethod
@@ -188,13 +204,16 @@ class LimitsActor:
         tokens_per_minute: int | None,
         prompt_tokens: int,
         max_completion_tokens: int = 0,
+        asked: bool = False,
     ) -> dict[str, Any]:
         return self.book.admit(
-            key_id, max_concurrent, tokens_per_minute, prompt_tokens, max_completion_tokens
+            key_id, max_concurrent, tokens_per_minute, prompt_tokens, max_completion_tokens, asked
         )
 
-    def release(self, key_id: str, lease: int, completion_tokens: int = 0) -> None:
-        self.book.release(key_id, lease, completion_tokens)
+    def release(
+        self, key_id: str, lease: int, completion_tokens: int = 0, refund: bool = False
+    ) -> None:
+        self.book.release(key_id, lease, completion_tokens, refund)
 
     def usage(self, key_id: str) -> dict[str, int]:
         return self.book.usage(key_id)

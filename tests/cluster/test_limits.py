@@ -135,3 +135,44 @@ def test_concurrent_requests_reserve_their_completion_at_admission() -> None:
     book.release("other", late["lease"], 250)
     assert book.usage("other")["tokens_last_minute"] == 250
     book.check_integrity()
+
+
+def test_the_reservation_is_all_a_request_may_generate() -> None:
+    """A request admitted with 50,000 max tokens under a budget of 1,000 reserved 990
+    and was told nothing; generating 50,000 tokens over five minutes, billed at the end,
+    it used 50x the budget in a minute. The answer now names the reservation (what the
+    ingress cuts a default max_tokens to), and a request that asked for more than the
+    budget can hold is refused as too large, as OpenAI refuses one."""
+    book = LimitBook(clock=Clock())
+    granted = book.admit("k", None, 1000, 10, 50_000)
+    assert granted["completion_tokens"] == 990
+    book.release("k", granted["lease"], 990)
+    assert book.admit("k", None, 1000, 10, 50_000, asked=True)["reason"] == "too_large"
+    assert book.admit("other", None, 1000, 10, 990, asked=True)["completion_tokens"] == 990
+    # A prompt that fills the budget leaves no token for a completion that needs one.
+    assert book.admit("full", None, 1000, 1000, 16)["reason"] == "too_large"
+    assert "lease" in book.admit("full", None, 1000, 1000, 0)  # none needed: it fits
+    assert book.admit("free", None, None, 10, 50_000)["completion_tokens"] is None
+    book.check_integrity()
+
+
+def test_a_refund_takes_back_the_whole_admission() -> None:
+    """A request refused before its first token (a full queue, a prompt the engine
+    rejects) kept its prompt charged, so a client retrying after a 429 was locked out
+    for a minute by work that never ran. `refund` takes back prompt and reservation."""
+    clock = Clock()
+    book = LimitBook(clock=clock)
+    for _ in range(5):  # five tries of a request that fills a third of the budget
+        lease = book.admit("k", None, 900, 250, 50)["lease"]
+        assert book.usage("k")["tokens_last_minute"] == 300
+        book.release("k", lease, 0, refund=True)
+        assert book.usage("k")["tokens_last_minute"] == 0
+    billed = book.admit("k", None, 900, 250, 50)["lease"]
+    book.release("k", billed, 0)  # no refund: the prompt stays billed
+    assert book.usage("k")["tokens_last_minute"] == 250
+    # A refund the window already dropped takes nothing back twice.
+    late = book.admit("k", None, 900, 100, 0)["lease"]
+    clock.t += WINDOW_S + 1
+    book.release("k", late, 0, refund=True)
+    assert book.usage("k")["tokens_last_minute"] == 0
+    book.check_integrity()

@@ -619,6 +619,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stream": "yes"}, "stream", "boolean"),
     ("completions", {"prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
     ("completions", {"prompt": "x", "stop": [1]}, "stop", "strings"),
+    ("completions", {"prompt": "x", "stop": "a" * 1025}, "stop", "more than 1,024"),
+    ("chat", chat_body(stop=["a", "\u2603" * 1025]), "stop", "1,025 characters"),
     ("completions", {"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias", "not supported"),
     ("chat", {"messages": []}, "messages", "at least one"),
     ("chat", {"messages": "hi"}, "messages", "a JSON array"),
@@ -652,8 +654,26 @@ BAD_REQUESTS = [
     ),
     ("chat", chat_body(stream_options={"include_usage": True}), "stream_options", "stream=true"),
     ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    # vLLM's and OpenAI's fields that would change the output: refused, never ignored
+    ("completions", {"prompt": "x", "guided_choice": ["a"]}, "guided_choice", "structured"),
+    ("chat", chat_body(structured_outputs={"json": {}}), "structured_outputs", "structured"),
+    ("chat", chat_body(guided_json={"type": "object"}), "guided_json", "structured"),
+    ("completions", {"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids", "remove"),
+    ("completions", {"prompt": "x", "bad_words": ["no"]}, "bad_words", "not supported"),
+    ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", "beam"),
+    ("chat", chat_body(echo=True), "echo", "not supported"),
+    ("chat", chat_body(modalities=["text", "audio"]), "modalities", '["text"]'),
     ("chat", chat_body(continue_final_message=True), "continue_final_message", "add_generation"),
 ]
+
+
+def test_refused_fields_are_accepted_when_unset() -> None:
+    """null, false, empty and a text-only modalities ask for nothing this server lacks."""
+    body = chat_body(
+        guided_json=None, use_beam_search=False, bad_words=[], echo=False, modalities=["text"]
+    )
+    req = rq.parse_request(rq.ChatCompletionRequest, body)
+    assert "use_beam_search" in req.unknown_fields
 
 
 @pytest.mark.parametrize(("endpoint", "body", "param", "words"), BAD_REQUESTS)

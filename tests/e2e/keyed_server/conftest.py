@@ -20,7 +20,7 @@ from e2e.conftest import Launched, running, server_data, tiny_lane
 # -- a second server, with API keys ----------------------------------------------------------
 # alice, alice2: tenant acme (two keys of one tenant); bob: tenant globex; solo:
 # max_concurrent_requests 1; meter: tokens_per_minute 600; quota: 400; burst: 500;
-# ops: the admin key.
+# cap, refund: 300 each; ops: the admin key.
 KEYS = {
     "alice": "sk-alice-8c1f0e2a",
     "alice2": "sk-alice2-77d3b0aa",
@@ -29,6 +29,8 @@ KEYS = {
     "meter": "sk-meter-5e80c3d4",
     "quota": "sk-quota-3f5a9b27",
     "burst": "sk-burst-91c7e4b2",
+    "cap": "sk-cap-6d02b8e5",
+    "refund": "sk-refund-c4a1973f",
     "ops": "sk-ops-d2c48a11",
 }
 KEYS_TEXT = yaml.safe_dump(
@@ -41,6 +43,8 @@ KEYS_TEXT = yaml.safe_dump(
             {"key": KEYS["meter"], "name": "meter", "tokens_per_minute": 600},
             {"key": KEYS["quota"], "name": "quota", "tokens_per_minute": 400},
             {"key": KEYS["burst"], "name": "burst", "tokens_per_minute": 500},
+            {"key": KEYS["cap"], "name": "cap", "tokens_per_minute": 300},
+            {"key": KEYS["refund"], "name": "refund", "tokens_per_minute": 300},
             {"key": KEYS["ops"], "name": "ops", "admin": True},
         ]
     }

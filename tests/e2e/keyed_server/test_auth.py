@@ -245,8 +245,9 @@ def test_a_non_streamed_request_left_by_its_client_is_billed_what_it_generated(
     keyed_server: KeyedServer,
 ) -> None:
     """tokens_per_minute counts output too: a client that hangs up on a long
-    non-streamed request must not get its tokens for free (quota: 400 a minute)."""
-    body = {"model": "tiny", "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
+    non-streamed request must not get its tokens for free (quota: 400 a minute; max_tokens
+    null: all the budget leaves after the prompt)."""
+    body = {"model": "tiny", "prompt": "Count:", "max_tokens": None, "ignore_eos": True}
     request = raw_completion(keyed_server, "quota", body)
     url = urlsplit(keyed_server.url)
     with keyed_server.client("ops") as ops, keyed_server.client("quota") as quota:
@@ -262,6 +263,44 @@ def test_a_non_streamed_request_left_by_its_client_is_billed_what_it_generated(
             json={"model": "tiny", "prompt": list(range(1000, 1250)), "max_tokens": 1},
         )
         assert error_of(r, 429)["code"] == "tokens_per_minute_exceeded"
+
+
+def test_a_default_max_tokens_is_cut_to_what_the_key_may_use(keyed_server: KeyedServer) -> None:
+    """cap: 300 a minute. A request that leaves max_tokens to the server (null: the
+    room left in the context, thousands of tokens) was admitted with a reservation of
+    what the budget left, then generated to the end of the context, billed only when it
+    ended: a key could take many times its budget a minute. It now generates at most
+    that reservation. A request that names more than the budget can ever hold is
+    refused, as OpenAI refuses one, naming max_tokens."""
+    prompt = list(range(1000, 1010))  # 10 tokens
+    body = {"model": "tiny", "prompt": prompt, "ignore_eos": True}
+    with keyed_server.client("cap") as cap:
+        asked = cap.post("/v1/completions", json={**body, "max_tokens": 291})
+        error = error_of(asked, 400)
+        assert (error["param"], error["code"]) == ("max_tokens", "tokens_per_minute_exceeded")
+        assert "lower max_tokens" in error["message"]
+        r = cap.post("/v1/completions", json={**body, "max_tokens": None})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (10, 290)
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        spent = cap.post("/v1/completions", json={**body, "max_tokens": 1})
+        assert error_of(spent, 429)["code"] == "tokens_per_minute_exceeded"
+
+
+def test_a_request_refused_before_its_first_token_is_not_billed(keyed_server: KeyedServer) -> None:
+    """refund: 300 a minute. A prompt the engine refuses (a token id outside the
+    vocabulary: the engine's 400, after the limits admitted it) kept its 260 tokens
+    charged, so the client's next try was a 429 for a minute. It is refunded whole."""
+    prompt = list(range(1000, 1250))
+    with keyed_server.client("refund") as refund:
+        for _ in range(3):
+            bad = {"model": "tiny", "prompt": [*prompt[:-1], 10**9], "max_tokens": 10}
+            error_of(refund.post("/v1/completions", json=bad), 400)
+        ok = refund.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 10}
+        )
+        assert ok.status_code == 200, ok.text
 
 
 def test_keys_never_appear_in_answers(keyed_server: KeyedServer) -> None:
