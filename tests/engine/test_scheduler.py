@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
@@ -129,6 +131,9 @@ def test_rejects_prompts_that_can_never_run():
     add(sched, "ok", list(range(10)))
     with pytest.raises(RequestRejected, match="already in use"):
         add(sched, "ok", list(range(10)))
+    # "a#1" is the id a fork of an n > 1 request "a" takes: it would be overwritten.
+    with pytest.raises(RequestRejected, match="contains '#'"):
+        add(sched, "a#1", list(range(10)))
 
 
 def test_fcfs_preempts_the_most_recently_admitted():
@@ -306,6 +311,59 @@ def test_forks_respect_max_num_seqs():
         peak = max(peak, len(sched.running))
     assert not core.has_unfinished_requests() and peak == 2
     assert_all_free(sched)
+
+
+def test_a_fork_that_waits_for_a_seat_reports_its_prefix_hit():
+    """max_num_seqs 1: completion 1 of a 17-token prompt waits, then is admitted with
+    its parent's 16 tokens of full blocks as a prefix hit. It reported 0 cached tokens:
+    the fork set the count to 0, where admission records a hit only over -1."""
+    core, sched, _fake = make_engine(block_size=4, budget=64, max_num_seqs=1)
+    add(sched, "a", list(range(100, 117)), max_tokens=2, n=2, ignore_eos=True)
+    cached = {}
+    for _ in range(50):
+        if not core.has_unfinished_requests():
+            break
+        outputs, _stats = core.step()
+        cached.update({o.req_id: o.num_cached_tokens for o in outputs})
+    assert cached == {"a": 0, "a#1": 16}
+    assert_all_free(sched)
+
+
+def test_check_integrity_sees_a_freed_live_block_a_wrong_hit_and_stale_bookkeeping():
+    """Three broken states `check_integrity` let pass: a running request whose blocks
+    a buggy rollback freed, a request reading another prompt's cached block, and the
+    worker's bookkeeping for a request that is gone."""
+
+    def two_running() -> tuple[Scheduler, Any]:
+        core, sched, _fake = make_engine(block_size=4)
+        add(sched, "a", list(range(13)), max_tokens=5)
+        add(sched, "b", list(range(100, 113)), max_tokens=5)
+        core.step()
+        sched.check_integrity()
+        return sched, sched.kv.managers[0]
+
+    sched, m = two_running()
+    m.truncate("a", 0)
+    with pytest.raises(AssertionError, match="a: 0 blocks, 13 tokens"):
+        sched.check_integrity()
+
+    sched, m = two_running()
+    a0, b0 = m.tables["a"][0], m.tables["b"][0]
+    m.tables["b"][0] = a0
+    sched.kv.pool.touch([a0])
+    sched.kv.pool.free_blocks([b0])
+    with pytest.raises(AssertionError, match=r"b reads block \d+ at 0: not its hash"):
+        sched.check_integrity()
+
+    for name in ("_known", "_cuts"):
+        sched, _m = two_running()
+        getattr(sched, name)["ghost"] = [1]
+        with pytest.raises(AssertionError, match=f"{name} names"):
+            sched.check_integrity()
+    sched, _m = two_running()
+    sched.kv._slots["ghost"] = 4
+    with pytest.raises(AssertionError, match="slots of requests without blocks"):
+        sched.check_integrity()
 
 
 def test_priority_ties_among_forks_do_not_livelock():

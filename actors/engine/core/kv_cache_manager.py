@@ -375,10 +375,15 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every ref count equals the number of table
-        entries (over all groups and requests) that hold the block."""
+        entries (over all groups and requests) that hold the block, and only a request
+        with a table has a slot count."""
         holders: Counter[int] = Counter()
         null = self.pool.null_block
         for manager in self.managers:
             for table in manager.tables.values():
                 holders.update(b.block_id for b in table if b is not null)
         self.pool.check_integrity(holders)
+        owners = {rid for m in self.managers for rid in m.tables}
+        assert set(self._slots) <= owners, (
+            f"slots of requests without blocks: {set(self._slots) - owners}"
+        )

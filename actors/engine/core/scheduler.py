@@ -215,6 +215,13 @@ class Scheduler:
         self.validate_prompt(request.num_prompt_tokens)
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if "#" in request.request_id:
+            # A parent "a" of n > 1 names its completions "a#1", ...: an id of that form
+            # would be taken over by a fork made later.
+            raise RequestRejected(
+                f"request id {request.request_id!r} contains '#', which names a request's "
+                "completions (Request.fork_id): choose an id without it"
+            )
         if request.block_hashes == [] and request.num_tokens >= self.block_size:
             # Built without this engine's hasher: hash now so prefix caching works.
             request._hasher = self.kv.hasher
@@ -422,7 +429,8 @@ class Scheduler:
                     self.running.append(child)
                 else:
                     child.status = RequestStatus.WAITING
-                    child.num_computed_tokens = child.num_cached_tokens = 0
+                    # Not admitted yet (-1): admission records its prefix hit.
+                    child.num_computed_tokens, child.num_cached_tokens = 0, -1
                     self.waiting.prepend(child)
             del self._pending_forks[rid]
         return preempted
@@ -645,7 +653,9 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """KV invariants plus: every request is in exactly one queue that
-        matches its status, and only running requests hold blocks."""
+        matches its status, only running requests hold blocks or are known to the
+        worker, a running request's full-attention blocks cover its computed tokens, and
+        every cached block a running request holds is the one of its own hash there."""
         self.kv.check_integrity()
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
@@ -666,3 +676,28 @@ class Scheduler:
         assert held <= set(running_ids), (
             f"blocks held by non-running requests: {held - set(running_ids)}"
         )
+        # What the worker is told about: only running requests.
+        for name, ids in (("_known", self._known), ("_cuts", self._cuts)):
+            assert set(ids) <= set(running_ids), f"{name} names {set(ids) - set(running_ids)}"
+        assert set(self._pending_forks) <= set(self.requests), "a fork of a request that ended"
+        # A running request's full-attention tables cover every token it has computed
+        # (a rollback or retirement that freed a live block would show here), and a
+        # cached block it reads at position i is the one of its own i-th hash (a wrong
+        # prefix hit would show here).
+        bs, null = self.block_size, self.kv.pool.null_block
+        for m in self.kv.managers:
+            if m.spec.kind == "state":
+                continue
+            for req in self.running:
+                table = m.tables.get(req.request_id, [])
+                hashes = req.block_hashes
+                for i, b in enumerate(table):
+                    if b is not null and b.block_hash is not None:
+                        assert i < len(hashes) and b.block_hash == hashes[i], (
+                            f"{req.request_id} reads block {b.block_id} at {i}: not its hash"
+                        )
+                if m.spec.kind == "full":
+                    assert len(table) * bs >= req.num_computed_tokens, (
+                        f"{req.request_id}: {len(table)} blocks, {req.num_computed_tokens} tokens"
+                    )
+                    assert null not in table, f"{req.request_id}: a null full-attention block"
