@@ -132,12 +132,25 @@ ROUTES = frozenset(
 )
 
 
+ADMIN_ROUTES = frozenset(
+    {
+        "/admin/config",
+        "/admin/lanes",
+        "/admin/reset_prefix_cache",
+        "/admin/routing",
+        "/admin/engines",
+    }
+)
+
+
 def route_of(path: str) -> str:
-    """The route label of a request path (bounded: unknown paths are "other")."""
-    if path in ROUTES:
+    """The route label of a request path, one of a fixed set: ROUTES, ADMIN_ROUTES,
+    "/admin/other" or "other". A path's own text never becomes a label (the counter
+    counts before authentication, so any client could add series without end)."""
+    if path in ROUTES or path in ADMIN_ROUTES:
         return path
     if path.startswith("/admin/"):
-        return path if path.count("/") == 2 else "/admin/other"
+        return "/admin/other"
     return "other"
 
 
@@ -383,7 +396,9 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         # Counters and histograms of a replica that left or failed stay (their totals
         # happened); its gauges (running, waiting, KV usage, blocks held) do not: the
         # last report of a dead replica is not what it runs now.
-        live = not health or (rid in health and bool(health[rid][1].get("healthy")))
+        # With no lane reports at all (a store read on its own) every engine counts as
+        # live; with reports, only the replicas they list healthy (none listed: none).
+        live = "lanes" not in view or (rid in health and bool(health[rid][1].get("healthy")))
         if "age_s" in entry:
             age.add_metric(labels, entry["age_s"])
         for name, value in snap.get("counters", {}).items():

@@ -4,13 +4,22 @@ the text parses back with vLLM's names, labels and cumulative buckets."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from spur.actors.engine.shell.metrics import EngineMetrics
-from spur.cluster.metrics import IngressCounters, MetricsStore, config_hash, render, route_of
+from spur.cluster.metrics import (
+    ADMIN_ROUTES,
+    IngressCounters,
+    MetricsStore,
+    config_hash,
+    render,
+    route_of,
+)
 from spur.configs.loader import config_to_dict, parse_config
 
 CONFIG = config_to_dict(
@@ -85,10 +94,34 @@ def test_store_sums_ingress_counters_and_keeps_gone_ones() -> None:
 
 
 def test_routes_are_bounded() -> None:
+    """The counters count before authentication: "/admin/<anything>" was its own label,
+    so any client could add series without end. Only the served routes are labels."""
     assert route_of("/v1/completions") == "/v1/completions"
     assert route_of("/admin/lanes") == "/admin/lanes"
     assert route_of("/admin/a/b") == "/admin/other"
     assert route_of("/wp-login.php") == "other"
+    probes = {route_of(f"/admin/probe-{i}") for i in range(100)}
+    assert probes == {"/admin/other"}
+    assert {route_of(r) for r in ADMIN_ROUTES} == ADMIN_ROUTES
+    ingress = (Path(__file__).parents[2] / "cluster" / "ingress.py").read_text()
+    served = set(re.findall(r'@app\.(?:get|post)\(\s*"(/admin/[^"]+)"', ingress))
+    assert served == ADMIN_ROUTES  # every admin route of the ingress, and no other
+
+
+def test_gauges_of_the_last_replica_to_leave_are_not_shown_live() -> None:
+    """A lane's only replica drained away (the index lists none): its last snapshot stays
+    in the store for retain_s, and every engine counted as live when no replica was
+    listed, so the dead engine's 7 running requests and 0.97 KV usage were shown."""
+    store = MetricsStore(retain_s=600, clock=Clock())
+    m = EngineMetrics(max_model_len=128)
+    m.prompt_tokens, m.num_running, m.kv_usage = 10, 7, 0.97
+    store.update_engine("dead-1", "chat", m.snapshot())
+    got = samples(
+        render({"store": store.view(), "lanes": {"chat": {"replicas": []}}}, CONFIG).decode()
+    )
+    assert "dead-1" not in {lab["engine"] for lab, _ in got.get("vllm:num_requests_running", [])}
+    assert "dead-1" not in {lab["engine"] for lab, _ in got.get("vllm:kv_cache_usage_perc", [])}
+    assert {lab["engine"]: v for lab, v in got["vllm:prompt_tokens_total"]} == {"dead-1": 10.0}
 
 
 def test_a_failed_or_departed_replica_keeps_its_totals_but_not_its_gauges() -> None:
