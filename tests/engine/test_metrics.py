@@ -234,6 +234,57 @@ def test_prefill_is_the_first_forward_and_not_queue_time():
     assert sums["request_inference_time_seconds"] == sums["e2e_request_latency_seconds"] == 2.0
 
 
+def test_a_request_that_ends_at_its_first_token_spent_its_step_in_prefill():
+    """max_tokens 1: scheduled and finished in one step, it is never seen running after
+    a step, and its prefill forward was counted as queue time (0.5 s queued, 0 s of
+    prefill). vLLM stamps it scheduled when it is scheduled: queue 0, prefill 0.5 s."""
+    clock = StepClock()
+    core, sched, fake = make_engine(num_blocks=128, budget=64)
+    metrics = EngineMetrics(max_model_len=256, clock=clock)
+    core.add_request(sched.make_request("a", list(range(20)), SamplingParams(max_tokens=1)))
+    metrics.on_add("a", 20, arrival=0.0)
+    run_timed(core, sched, fake, metrics, clock)
+    h = metrics.snapshot()["histograms"]
+    assert h["vllm:request_queue_time_seconds"]["sum"] == 0.0
+    assert h["vllm:request_prefill_time_seconds"]["sum"] == 0.5
+    assert h["vllm:request_prefill_time_seconds"]["count"] == 1
+
+
+def test_the_completions_of_an_n_request_share_its_prefill_not_queue():
+    """n = 3, a 40-token prompt and a budget of 8: the parent prefills over five steps,
+    then forks, and its completions run the last step with it. They were stamped
+    scheduled when first seen running, so the parent's 2.5 s of prefill showed as their
+    queue time; vLLM schedules the three together (queue 0, prefill 3.0 s each)."""
+    clock = StepClock()
+    core, sched, fake = make_engine(num_blocks=128, budget=8)
+    metrics = EngineMetrics(max_model_len=256, clock=clock)
+    params = SamplingParams(max_tokens=3, n=3, ignore_eos=True)
+    core.add_request(sched.make_request("a", list(range(40)), params))
+    metrics.on_add("a", 40, n=3, arrival=0.0)
+    run_timed(core, sched, fake, metrics, clock)
+    h = metrics.snapshot()["histograms"]
+    assert h["vllm:request_queue_time_seconds"]["count"] == 3
+    assert h["vllm:request_queue_time_seconds"]["sum"] == 0.0
+    assert h["vllm:request_prefill_time_seconds"]["sum"] == 3 * 3.0
+
+
+def test_a_completion_that_waited_for_a_seat_was_queued():
+    """max_num_seqs 1: completion 1 cannot be seated when its parent forks; it waits
+    until the parent ends (1.5 s: the parent's prefill of 16 tokens, then its last
+    prompt token with its first token, then its second token), and that wait is its
+    queue time (the parent's own is 0)."""
+    clock = StepClock()
+    core, sched, fake = make_engine(num_blocks=128, budget=64, max_num_seqs=1)
+    params = SamplingParams(max_tokens=2, n=2, ignore_eos=True)
+    core.add_request(sched.make_request("a", list(range(17)), params))
+    metrics = EngineMetrics(max_model_len=256, clock=clock)
+    metrics.on_add("a", 17, n=2, arrival=0.0)
+    run_timed(core, sched, fake, metrics, clock)
+    h = metrics.snapshot()["histograms"]
+    assert h["vllm:request_queue_time_seconds"]["count"] == 2
+    assert h["vllm:request_queue_time_seconds"]["sum"] == 1.5
+
+
 def test_each_completion_of_an_n_request_is_a_request():
     clock = StepClock()
     core, sched, fake = make_engine(num_blocks=128, budget=64)

@@ -268,9 +268,21 @@ class EngineMetrics:
         scheduled_at = now if started is None else started
         requests = self._requests
         for req in scheduler.running:
-            t = requests.get(req.request_id)
+            rid = req.request_id
+            t = requests.get(rid)
             if t is not None and t.scheduled is None:
                 t.scheduled = scheduled_at
+                parent = requests.get(t.parent) if t.parent != rid else None
+                if (
+                    parent is not None
+                    and parent.scheduled is not None
+                    and parent.first_token is None
+                ):
+                    # A completion of an n > 1 request seated when its parent forked
+                    # (in the step of the parent's first token): the prompt's prefill
+                    # was theirs together, as vLLM's children are scheduled together.
+                    # One that waited for a seat is seen after the parent's first token.
+                    t.scheduled = parent.scheduled
         step_prompt = 0
         step_generated = 0
         for out in outputs:
@@ -282,8 +294,8 @@ class EngineMetrics:
             if n:
                 if t.first_token is None:
                     t.first_token = now
-                    if t.scheduled is None:
-                        t.scheduled = now
+                    if t.scheduled is None:  # scheduled and finished in this one step
+                        t.scheduled = scheduled_at
                     step_prompt += t.num_prompt_tokens
                     self.histograms["vllm:time_to_first_token_seconds"].observe(now - t.arrival)
                 elif t.last_token is not None:
