@@ -6,8 +6,13 @@ with its first item) and gives every request exactly one ending: a complete answ
 error item that says what happened.
 
 - Before the first token: a replica that dies (or whose engine died) is retried,
-  on another replica or the spare, up to `max_attempts` opens; then a 503 that
-  names the attempts and the last failure.
+  on another replica or the spare; then a 503 that names the attempts and the last
+  failure.
+- One budget for the request's whole life: `max_attempts` replicas may fail it (an
+  open that fails, or a stream that breaks), then it ends. A replica drained on purpose
+  (scale-down, shutdown) is not a failure. Without the bound, a request that crashes
+  every engine it runs on (a kernel fault, an OOM at some length) was continued on
+  replica after replica, once per token.
 - After tokens were streamed (one completion, n == 1): the request continues on
   another replica with prompt + generated tokens as its prompt and the remaining
   token budget, so the client sees one unbroken stream. With n > 1 (several
@@ -92,6 +97,9 @@ class EngineStream:
         self.done_indices: set[int] = set()
         self.continuations = 0
         self.attempts = 0
+        """Opens tried, failed or not."""
+        self.failures = 0
+        """Replicas that failed this request (opens that failed, streams that broke)."""
         self._pending: dict[str, Any] | None = None
 
     @property
@@ -106,8 +114,11 @@ class EngineStream:
         return first
 
     async def _open(self, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Open `payload` on the lane, retrying while the request's failure budget
+        lasts (the caller checks that some is left)."""
         last: BaseException | None = None
-        for attempt in range(self.max_attempts):
+        attempt = 0
+        while self.failures < self.max_attempts:
             self.attempts += 1
             if attempt:
                 self.on_event("retry", None)
@@ -118,12 +129,14 @@ class EngineStream:
                 if not is_retriable(exc):
                     raise
                 last = exc
+                self.failures += 1
+                attempt += 1
                 logger.warning(
-                    "request %s attempt %d failed: %s", payload["request_id"], attempt + 1, exc
+                    "request %s attempt %d failed: %s", payload["request_id"], attempt, exc
                 )
         detail = last.message if isinstance(last, ProtocolError) else f"{type(last).__name__}"
         raise service_unavailable(
-            f"no replica could serve the request after {self.max_attempts} attempts "
+            f"no replica could serve the request after {self.attempts} attempts "
             f"(last failure: {detail}); retry later",
             1.0,
         )
@@ -178,8 +191,16 @@ class EngineStream:
                 f"the replica serving this stream failed ({why}); with n > 1 it "
                 "cannot be continued elsewhere: retry the request"
             )
-        params = dict(self.payload.get("sampling_params", {}))
         done = len(self.generated)
+        if not planned:
+            self.failures += 1
+            if self.failures >= self.max_attempts:
+                return self._error(
+                    f"the replica serving this stream failed after {done} tokens ({why}); "
+                    f"{self.failures} replicas have failed this request, its max_attempts: "
+                    "retry the request"
+                )
+        params = dict(self.payload.get("sampling_params", {}))
         params["max_tokens"] = max(1, int(params.get("max_tokens", 16)) - done)
         params["min_tokens"] = max(0, int(params.get("min_tokens", 0) or 0) - done)
         self.continuations += 1

@@ -642,8 +642,10 @@ class RouterConfig(_Section):
     stats_period_s: float = Field(1.0, gt=0, le=60)
     """Seconds between replicas' load reports to the router."""
     max_attempts: int = Field(3, ge=1, le=10)
-    """Replicas tried for one request before it fails (a failed replica is retried on
-    another only if no token has been streamed yet)."""
+    """Replicas that may fail one request in its whole life before it ends: opens that
+    fail before its first token, and streams that break after tokens were sent (each
+    continues on another replica while this lasts). A replica drained on purpose
+    (scale-down, shutdown) does not count."""
     failover_healthy_after_s: float = Field(5.0, ge=0, le=3600)
     """Seconds a lane's primaries must stay healthy and unsaturated before its traffic
     returns from the spare (hysteresis against flapping)."""

@@ -228,12 +228,39 @@ def test_continuation_nowhere_yields_error_naming_tokens_sent():
         ActorDiedError(),
         ActorDiedError(),
     )
-    items, _, _ = run(opener, max_attempts=2)
+    items, _, _ = run(opener, max_attempts=3)
     assert tokens(items) == [10, 11, 12]
     assert items[-1]["type"] == "error"
     assert items[-1]["status"] == 503
     assert "after 3 tokens" in items[-1]["message"]
-    assert len(opener.payloads) == 3
+    assert len(opener.payloads) == 3  # the broken replica and two failed opens: 3 failures
+
+
+def test_max_attempts_bounds_the_replicas_a_request_breaks_on_its_whole_life():
+    """Every replica sends one token and dies (a request that crashes its engine): each
+    continuation's open had its own max_attempts, so the request ran on a new replica
+    for every token of max_tokens (200 replicas for 200 tokens). Now max_attempts
+    replicas may fail it in all; then one error item names them."""
+    script = [FakeGen([delta(10 + i, f"r{i}")], ActorDiedError()) for i in range(200)]
+    opener = Opener(*script)
+    payload = {**PAYLOAD, "sampling_params": {"max_tokens": 200, "n": 1}}
+    items, events, stream = run(opener, payload, max_attempts=3)
+    assert len(opener.payloads) == 3 and stream.failures == 3
+    assert tokens(items) == [10, 11, 12]
+    assert items[-1]["type"] == "error" and "3 replicas have failed" in items[-1]["message"]
+    assert events.count(("failover", "r0")) == 1 and events.count(("failover", "r1")) == 1
+
+
+def test_a_planned_drain_is_not_a_failure():
+    """Scale-down drains replica after replica: the stream continues each time, and
+    the failure budget stays whole (max_attempts 1: a failure would have ended it)."""
+    drained = {"type": "error", "status": 503, "code": "draining", "message": "draining"}
+    script = [FakeGen([delta(10 + i, f"r{i}"), drained]) for i in range(3)]
+    opener = Opener(*script, FakeGen([delta(13, "r3"), final("r3")]))
+    payload = {**PAYLOAD, "sampling_params": {"max_tokens": 10, "n": 1}}
+    items, _, stream = run(opener, payload, max_attempts=1)
+    assert tokens(items) == [10, 11, 12, 13] and items[-1]["type"] == "final"
+    assert stream.failures == 0 and stream.continuations == 3
 
 
 def test_non_retriable_midstream_exception_propagates():
