@@ -19,6 +19,11 @@
   mean KV usage is below its low mark, and then by one replica at a time;
 - with no report from any replica (a metrics outage, or replicas still starting)
   the lane holds: silence is not idleness;
+- "holding" means Serve's current target, not the replicas running now: Serve
+  compares the number returned with its target, so returning the running count
+  while a replica starts would ask to cancel it (and, with every replica restarting
+  and none running, to drop straight to min_replicas); a scale-down is only asked
+  while no replica is starting;
 - the result is clamped to [min_replicas, max_replicas].
 
 Serve applies the delays itself (`AutoscalingConfig.upscale_delay_s`,
@@ -90,7 +95,12 @@ class Decision:
 
 
 def desired_replicas(
-    loads: Sequence[ReplicaLoad], *, current: int, spare_demand: float, targets: Targets
+    loads: Sequence[ReplicaLoad],
+    *,
+    current: int,
+    spare_demand: float,
+    targets: Targets,
+    target: int | None = None,
 ) -> Decision:
     """Replicas the lane should run (pure; see the module docstring).
 
@@ -102,25 +112,29 @@ def desired_replicas(
         current: replicas Serve runs now (>= 0).
         spare_demand: the lane's requests in flight on its spare (>= 0).
         targets: the lane's bounds and targets.
+        target: Serve's current target (running plus starting replicas); None: `current`.
+            A hold returns it, and nothing scales down while it exceeds `current`.
     """
-    if not loads and spare_demand <= 0 and current > 0:
+    base = current if target is None else max(current, target)
+    if not loads and spare_demand <= 0 and base > 0:
         # Nobody reported: nothing is known about the load, so nothing changes.
-        held = min(max(current, targets.min_replicas), targets.max_replicas)
-        return Decision(held, "no_metrics" if held == current else "bounds", 0.0)
+        held = min(max(base, targets.min_replicas), targets.max_replicas)
+        return Decision(held, "no_metrics" if held == base else "bounds", 0.0)
     demand = sum(r.running + r.waiting for r in loads) + max(0.0, spare_demand)
     n = max(len(loads), 1)
     mean_waiting = sum(r.waiting for r in loads) / n
     mean_kv = sum(r.kv_usage for r in loads) / n
     by_demand = math.ceil(demand / targets.target_ongoing_requests - 1e-9) if demand else 0
     want, reason = by_demand, "demand"
+    # Pressure asks one replica more than run now; one already starting answers it.
     if loads and mean_waiting > targets.waiting_per_replica_high and want <= current:
-        want, reason = current + 1, "waiting"
+        want, reason = max(base, current + 1), "waiting"
     if loads and mean_kv > targets.kv_usage_high and want <= current:
-        want, reason = current + 1, "kv_pressure"
-    if want < current:
+        want, reason = max(base, current + 1), "kv_pressure"
+    if want < base:
         quiet = mean_waiting == 0 and spare_demand <= 0 and mean_kv < targets.kv_usage_low
-        # One replica at a time, and only when the lane is quiet.
-        want, reason = (current - 1, "idle") if quiet else (current, "hold")
+        # One replica at a time, only when the lane is quiet and no replica is starting.
+        want, reason = (current - 1, "idle") if quiet and base == current else (base, "hold")
     elif want == current:
         reason = "hold"
     bounded = min(max(want, targets.min_replicas), targets.max_replicas)
@@ -152,6 +166,7 @@ def decide_from_metrics(
     min_replicas: int,
     max_replicas: int,
     running: Sequence[Any] | None = None,
+    target: int | None = None,
 ) -> Decision:
     """`desired_replicas` from Serve's aggregated metrics ({metric: {replica: value}}).
 
@@ -178,7 +193,9 @@ def decide_from_metrics(
         given[field] = max(values) if values else getattr(defaults, field)
     targets = Targets(min_replicas=min_replicas, max_replicas=max_replicas, **given)
     spare = max((m.get("spare_demand", 0.0) for m in per.values()), default=0.0)
-    return desired_replicas(loads, current=current, spare_demand=spare, targets=targets)
+    return desired_replicas(
+        loads, current=current, spare_demand=spare, targets=targets, target=target
+    )
 
 
 def policy(ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -193,6 +210,7 @@ def policy(ctx: Any) -> tuple[int, dict[str, Any]]:
         min_replicas=int(ctx.capacity_adjusted_min_replicas),
         max_replicas=int(ctx.capacity_adjusted_max_replicas),
         running=list(ctx.running_replicas) if ctx.running_replicas is not None else None,
+        target=int(ctx.target_num_replicas),
     )
     state = dict(ctx.policy_state or {})
     state["spur"] = {

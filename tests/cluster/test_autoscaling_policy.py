@@ -182,6 +182,52 @@ def test_serve_applies_spurs_delays_to_the_policy(monkeypatch: pytest.MonkeyPatc
         clock[0] += 1.0
 
 
+def test_a_replica_still_starting_is_not_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve compares the policy's number with its target (running + starting), and
+    its context's current_num_replicas counts running replicas only. Returning the
+    running count to hold asked to cancel a starting replica once downscale_delay_s
+    passed (a model loading longer than that never came up), and with every replica
+    restarting (none running, no reports) the lane dropped at once to min_replicas."""
+    import ray.serve.autoscaling_policy as sap
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    from spur.cluster.app import serve_autoscaling_config
+    from spur.configs.schema import AutoscalingConfig as SpurAutoscaling
+
+    spur_cfg = SpurAutoscaling(
+        min_replicas=1, max_replicas=4, upscale_delay_s=5, downscale_delay_s=20,
+        target_ongoing_requests=8,
+    )  # fmt: skip
+    options = serve_autoscaling_config(spur_cfg)
+    config = AutoscalingConfig(
+        **{k: v for k, v in options.items() if k != "policy"},
+        policy=AutoscalingPolicy(**options["policy"]),
+    )
+    wrapped = sap._apply_autoscaling_config(config.policy.get_policy())
+    clock = [1000.0]
+    monkeypatch.setattr(sap.time, "time", lambda: clock[0])
+    one_waiting = {"waiting": {"r0": 1.0}, "running": {"r0": 3.0}, **_targets(spur_cfg, ["r0"])}
+    for metrics, current, target in ((one_waiting, 1, 2), ({}, 2, 3)):
+        state: dict[str, Any] = {}
+        for _ in range(30):  # longer than downscale_delay_s
+            ctx = _context(
+                config, metrics, current=current, target=target, state=state, now=clock[0]
+            )
+            n, state = wrapped(ctx)
+            assert n == target, (metrics, current, target, state["spur"])
+            clock[0] += 1.0
+    clock[0] += 100
+    n, state = wrapped(_context(config, {}, current=0, target=3, state={}, now=clock[0]))
+    assert (n, state["spur"]["reason"]) == (3, "no_metrics")
+    # Once the starting replica runs and the lane is quiet, it scales down as before.
+    assert desired_replicas(
+        idle(2), current=2, spare_demand=0, targets=Targets(1, 4), target=2
+    ) == (Decision(1, "idle", 0.0))
+    assert desired_replicas(
+        idle(1), current=1, spare_demand=0, targets=Targets(1, 4), target=2
+    ) == (Decision(2, "hold", 0.0))
+
+
 def _targets(cfg: Any, replicas: list[str]) -> dict[str, dict[str, float]]:
     return {k: dict.fromkeys(replicas, v) for k, v in target_metrics(cfg.model_dump()).items()}
 
