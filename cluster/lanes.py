@@ -9,8 +9,11 @@ of the healthy ones are saturated (more than `saturation_queue_threshold`
 requests waiting). A lane with a spare moves to the spare as soon as its
 primaries are unusable, and back once they have been usable for
 `healthy_after_s` without a break (hysteresis: a flapping node does not bounce
-traffic). A lane without a spare always targets its primaries; with none
-healthy, its requests fail after their attempts with a 503.
+traffic). Saturated primaries stay the target while the spare has no healthy
+replica (they still queue a request, which a dead spare would hold until it gave up),
+and a lane on its spare for saturation comes back at once when the spare loses its
+last one. A lane without a spare always targets its primaries; with none healthy,
+its requests fail after their attempts with a 503.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class LaneView:
 
     healthy: int
     waiting: Sequence[int] = ()
+    spare_healthy: int | None = None
+    """Healthy replicas of the lane's spare (None: no spare, or not known)."""
 
 
 @dataclass
@@ -85,6 +90,13 @@ class LaneSelector:
             ok, reason = self.usable(lane, view)
             if lane not in self.spare_of:
                 st.reason = reason
+                continue
+            if reason == "saturated" and view.spare_healthy == 0:
+                # The spare could not take the traffic: the primaries still queue it.
+                if st.on_spare:
+                    st.on_spare, st.usable_since = False, None
+                    switched.append((lane, "primary"))
+                st.reason = "primary"
                 continue
             if not ok:
                 st.usable_since = None
@@ -234,8 +246,13 @@ class LaneMonitor:
             counts = await self.index.healthy_counts.remote(list(self.lanes))
             for name, c in counts.items():
                 self.lanes[name].healthy = c["healthy"]
+            spare_of = self.selector.spare_of
             views = {
-                name: LaneView(c["healthy"], c["waiting"])
+                name: LaneView(
+                    c["healthy"],
+                    c["waiting"],
+                    counts[spare_of[name]]["healthy"] if spare_of.get(name) in counts else None,
+                )
                 for name, c in counts.items()
                 if name in self.primaries
             }

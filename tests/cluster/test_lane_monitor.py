@@ -158,6 +158,25 @@ def test_monitor_moves_a_lane_to_its_spare_and_back() -> None:
     asyncio.run(scenario())
 
 
+def test_a_saturated_lane_keeps_its_primaries_while_its_spare_has_no_replica() -> None:
+    """The poll gives the selector the spare's healthy count: saturated primaries (9
+    waiting, threshold 8) stay the target until the spare has a healthy replica."""
+    s = Setup()
+
+    async def scenario() -> None:
+        s.register("c1", "chat")
+        s.actor.publish("c1", [], {"num_waiting": 9})
+        await s.monitor.poll()
+        assert (s.lanes["chat"].healthy, s.lanes["spare"].healthy) == (1, 0)
+        assert s.selector.target("chat") == "chat"
+        s.register("s1", "spare")
+        await s.monitor.poll()
+        assert s.selector.target("chat") == "spare"
+        assert s.selector.report("chat")["reason"] == "saturated"
+
+    asyncio.run(scenario())
+
+
 def test_monitor_learns_the_drain_and_does_not_fail_over_during_it() -> None:
     s = Setup()
 

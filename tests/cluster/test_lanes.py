@@ -42,6 +42,23 @@ def test_saturated_only_when_every_healthy_replica_is():
     assert s.target("chat") == "sp"
 
 
+def test_saturated_primaries_stay_while_the_spare_has_no_healthy_replica(t):
+    """The selector looked at the primaries only: a saturated lane moved to a spare
+    with no healthy replica, where each request waited for one until it gave up (15 s
+    an attempt, then a 503), while the primaries could have queued it."""
+    s = selector(t)
+    busy = (5, 9)
+    assert s.update({"chat": LaneView(2, busy, spare_healthy=0)}) == []
+    assert s.target("chat") == "chat" and s.report("chat")["reason"] == "primary"
+    assert s.update({"chat": LaneView(2, busy, spare_healthy=1)}) == [("chat", "saturated")]
+    assert s.target("chat") == "chat-spare"
+    # The spare loses its last replica while the lane is on it: back at once.
+    assert s.update({"chat": LaneView(2, busy, spare_healthy=0)}) == [("chat", "primary")]
+    assert s.target("chat") == "chat"
+    # Primaries down: the spare is the only hope, healthy or not (it may be starting).
+    assert s.update({"chat": LaneView(0, (), spare_healthy=0)}) == [("chat", "down")]
+
+
 def test_a_saturated_lane_whose_primaries_die_says_down(t):
     """The reason is what holds now, not what moved the lane: requests waiting on a
     lane whose primaries are gone are released at once only when it says "down"."""
