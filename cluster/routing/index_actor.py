@@ -38,6 +38,9 @@ class KVIndexActor:
         self.matched_hist: Counter[tuple[str, int]] = Counter()
         self.matched_sum: Counter[str] = Counter()
         self.counters: Counter[tuple[str, str]] = Counter()
+        self.unknown_routed: Counter[str] = Counter()
+        """Requests routed to replicas the index does not know yet (it restarted, or a
+        replica has not published): their load until they do, so that a burst spreads."""
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
         self.store = MetricsStore()
@@ -179,19 +182,22 @@ class KVIndexActor:
     ) -> list[str]:
         """Rank `replica_ids` (Serve's current replicas of the lane) for a request
         with `chain`, and record the chain at the first one. Replicas the index
-        holds unhealthy go last; unknown ones count as empty and idle."""
+        holds unhealthy go last; unknown ones count as empty, loaded with the requests
+        this actor routed to them since it has known nothing of them."""
         now = self.index.clock()
         healthy, sick = [], []
         for rid in replica_ids:
             state = self.index.replicas.get(rid)
-            if state is not None and not self.index.healthy(rid, now):
-                sick.append(rid)
-                continue
+            if state is not None:
+                self.unknown_routed.pop(rid, None)  # its own reports count from now
+                if not self.index.healthy(rid, now):
+                    sick.append(rid)
+                    continue
             healthy.append(
                 Candidate(
                     rid,
                     self.index.match(rid, chain),
-                    state.load if state else 0,
+                    state.load if state else self.unknown_routed[rid],
                     state.stats.kv_usage if state else 0.0,
                 )
             )
@@ -201,7 +207,7 @@ class KVIndexActor:
         affinity = self.sessions.get(session) if session else None
         decision = choose(healthy, len(chain), Weights(**weights), affinity=affinity)
         best = decision.ranked[0]
-        self.index.record(best, chain)
+        self._record(best, chain)
         if session:
             self.sessions[session] = best
             self.sessions.move_to_end(session)
@@ -215,7 +221,13 @@ class KVIndexActor:
 
     def routed_elsewhere(self, replica_id: str, chain: list[BlockHash]) -> None:
         """Serve sent the request to another replica than the first ranked one."""
-        self.index.record(replica_id, chain)
+        self._record(replica_id, chain)
+
+    def _record(self, replica_id: str, chain: list[BlockHash]) -> None:
+        if replica_id in self.index.replicas:
+            self.index.record(replica_id, chain)
+        else:
+            self.unknown_routed[replica_id] += 1
 
     def round_robin(self, lane: str, replica_ids: list[str]) -> list[str]:
         """Baseline policy: healthy replicas in turn (shared by every router)."""
@@ -232,6 +244,7 @@ class KVIndexActor:
 
     def drop(self, replica_id: str) -> None:
         self.index.drop(replica_id)
+        self.unknown_routed.pop(replica_id, None)
 
     def count(self, lane: str, name: str, n: int = 1) -> None:
         """Ingress-side events: failovers, retries, spare fallbacks (a fallback is

@@ -340,3 +340,22 @@ def test_planned_leave_drops_hashes_and_is_no_restart(t):
     idx.register("r2", "L", "n1")  # a later replica on the same node: not a restart
     [rep] = idx.lane_report("L")["replicas"]
     assert rep["restarts"] == 0
+
+
+def test_a_burst_to_replicas_the_index_does_not_know_spreads() -> None:
+    """Right after the index restarts it knows no replica until each publishes (up to
+    stats_period_s): every unknown one counted as load 0 and record() ignored it, so a
+    burst of 12 requests all went to the first. What it routed there is now their load."""
+    from collections import Counter
+
+    from spur.cluster.routing.index_actor import KVIndexActor
+
+    weights = {"load_weight": 1.0, "kv_usage_weight": 8.0, "hot_spot_margin": 8.0}
+    ids = ["r0", "r1", "r2"]
+    actor = KVIndexActor()
+    chains = [[bytes([i, j]) for j in range(4)] for i in range(12)]
+    got = Counter(actor.route("chat", ids, chain, weights)[0] for chain in chains)
+    assert got == {"r0": 4, "r1": 4, "r2": 4}
+    actor.register("r0", "chat", "node-r0")  # once known, its own reports count
+    actor.route("chat", ids, [b"x"], weights)
+    assert "r0" not in actor.unknown_routed
