@@ -174,6 +174,64 @@ def test_nothing_waits_on_an_engine_thread_that_is_gone():
     asyncio.run(shut_down())
 
 
+class _RaisingTokenizer:
+    """Decodes ids as letters, and raises TypeError on id 999 (a tokenizer's own bug)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if 999 in ids:
+            raise TypeError("decoder failed on id 999")
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_a_request_whose_add_fails_in_any_way_fails_alone():
+    """Only ValueError was caught when a request was added: a tokenizer raising
+    TypeError on its prompt, or float ids (which passed the range check), ended the
+    engine thread and every other request with it."""
+
+    async def main():
+        core, sched, _ = make_engine(block_size=4, num_blocks=64)
+        engine = AsyncEngine(core, _RaisingTokenizer(), eos_token_id=None, vocab_size=1000)
+        bystander = asyncio.ensure_future(
+            collect(engine, "ok", list(range(8)), max_tokens=30, ignore_eos=True)
+        )
+        with pytest.raises(TypeError, match="decoder failed"):
+            await collect(engine, "bad", [5, 999], max_tokens=4)
+        with pytest.raises(ValueError, match=r"not integers in the vocabulary"):
+            await collect(engine, "floats", [5.0, 6.5], max_tokens=4)  # type: ignore[list-item]
+        with pytest.raises(ValueError, match=r"not integers in the vocabulary"):
+            await collect(engine, "bools", [True, 3], max_tokens=4)  # type: ignore[list-item]
+        assert len((await bystander).outputs[0].token_ids) == 30 and engine.alive
+        await engine.shutdown()
+        sched.check_integrity()
+
+    asyncio.run(main())
+
+
+def test_a_command_taken_with_one_that_fails_the_engine_is_still_answered():
+    """The engine thread takes its inbox in batches: when one command failed the
+    engine, those after it in the batch had left the inbox, and `_end` answered only
+    the ones still there, so an integrity check (the drain's) waited forever."""
+
+    async def main():
+        core, sched, _ = make_engine(block_size=4, num_blocks=64)
+        engine = AsyncEngine(core, None, eos_token_id=None)
+
+        def broken() -> None:
+            raise RuntimeError("the pool is broken")
+
+        sched.kv.reset_prefix_cache = broken  # type: ignore[method-assign]
+        await asyncio.sleep(0.05)  # the engine thread waits on its inbox
+        reset = asyncio.ensure_future(engine.reset_prefix_cache())
+        check = asyncio.ensure_future(engine.check_integrity())
+        done, _ = await asyncio.wait({reset, check}, timeout=10)
+        assert done == {reset, check}, "a command was never answered"
+        for fut in (reset, check):
+            assert isinstance(fut.exception(), EngineDeadError), fut.exception()
+        assert not engine.alive
+
+    asyncio.run(main())
+
+
 def test_stop_strings_without_a_tokenizer_fail_that_request_only():
     async def main():
         core, sched, _ = make_engine(block_size=4, num_blocks=64)

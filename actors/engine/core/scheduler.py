@@ -47,12 +47,17 @@ class RequestRejected(ValueError):
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    """Raise RequestRejected for ids outside [0, vocab_size): the embedding
-    would fail the whole step, and with it every request in the batch."""
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    """Raise RequestRejected for ids that are not ints in [0, vocab_size): the
+    embedding would fail the whole step, and with it every request in the batch (a
+    float or a bool passes the range check and fails later)."""
+    bad = [
+        t
+        for t in token_ids
+        if type(t) is not int or not 0 <= t < vocab_size  # bool is an int subclass
+    ]
     if bad:
         raise RequestRejected(
-            f"token ids {bad[:5]} are outside the vocabulary (0 to {vocab_size - 1}): "
+            f"token ids {bad[:5]} are not integers in the vocabulary (0 to {vocab_size - 1}): "
             "send ids the model's tokenizer produces"
         )
 

@@ -138,6 +138,7 @@ class AsyncEngine:
         self.idle_wait_s = idle_wait_s
         self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._unapplied: list[_Command | None] = []
         self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
         self._loop = asyncio.get_running_loop()
         self._stop = threading.Event()
@@ -407,10 +408,12 @@ class AsyncEngine:
             )
             try:
                 sched.add_request(request)
-            except ValueError:
+            except Exception:
                 self.processor.abort(cmd.request_id)
                 raise
-        except ValueError as exc:
+        except Exception as exc:  # any error of this request's own (a tokenizer's too)
+            if not isinstance(exc, ValueError):
+                logger.exception("request %s refused", cmd.request_id)
             self._send(cmd.request_id, exc)
             return
         if self.metrics is not None:
@@ -430,10 +433,12 @@ class AsyncEngine:
                         cmds = [self._inbox.get(timeout=self.idle_wait_s), *self._drain()]
                     except queue.Empty:
                         continue
-                for cmd in cmds:
-                    if cmd is None:  # the stop signal
+                self._unapplied = cmds  # what `_end` must still answer if this fails
+                while cmds:
+                    if cmds[0] is None:  # the stop signal
                         return
-                    self._apply(cmd)
+                    self._apply(cmds[0])
+                    cmds.pop(0)
                 if self.core.has_unfinished_requests():
                     self._step()
         except Exception:  # the engine is unusable: fail every stream loudly
@@ -450,7 +455,10 @@ class AsyncEngine:
         if self.error is None:
             self.error = "the engine was shut down"
         dead = EngineDeadError(self.dead_message)
-        for cmd in self._drain():
+        # Commands taken from the inbox but not applied (the thread failed in an earlier
+        # one, or stopped) are answered like the ones still queued.
+        left, self._unapplied = self._unapplied, []
+        for cmd in [*left, *self._drain()]:
             if isinstance(cmd, _Add):
                 self._send(cmd.request_id, dead)
             elif cmd is not None and not isinstance(cmd, _Abort):
