@@ -81,6 +81,8 @@ class EngineArgs:
     num_threads: int | None
     stream_interval: int
     """Tokens per streamed chunk after a request's first (`AsyncEngine.stream_interval`)."""
+    step_timeout_s: float
+    """Longest step before the replica is unhealthy (`AsyncEngine.step_timeout_s`)."""
     test_leak_blocks_per_step: int
     """TESTS ONLY: see `RuntimeConfig.test_leak_blocks_per_step` (0: a correct engine)."""
     # speculative

@@ -368,6 +368,12 @@ class RuntimeConfig(_Section):
     ingress -> HTTP proxy), which cost CPU per chunk on the cores the forward runs on:
     4 cut the ingress's and the proxy's CPU per token by 40-50% at 16 streams on 2 cores
     (BENCHMARKS.md); clients then see a chunk of 4 tokens or more every few steps."""
+    step_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """Longest one engine step may run before the replica reports itself unhealthy (Serve
+    then restarts it and the ingress continues its requests elsewhere): a device, a
+    collective or a kernel that hangs would otherwise hold every request of the replica
+    forever while its heartbeats, sent from another thread, keep it routed. Set it well
+    above the longest real step (a full prefill chunk of the largest model on CPU)."""
     test_leak_blocks_per_step: int = Field(0, ge=0, le=64)
     """TESTS ONLY: a deliberately broken engine that keeps this many extra KV blocks per
     request at every step, as a retirement bug would (the leak metrics and alerts are

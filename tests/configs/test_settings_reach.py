@@ -149,6 +149,22 @@ def _streamed(b: Any) -> tuple[Any, Any]:
     return (interval, grouped, sizes), (3, True, sizes)
 
 
+def _step_timeout(b: Any) -> tuple[Any, Any]:
+    """step_timeout_s 123: the replica's engine has it (`AsyncEngine.stuck`)."""
+
+    async def timeout() -> float | None:
+        try:
+            return b.replica._engine().step_timeout_s
+        finally:  # the engine belongs to this event loop: the next test starts its own
+            if b.replica.engine is not None:
+                await b.replica.engine.shutdown()
+                b.replica.engine = None
+            if b.replica._watcher is not None:
+                b.replica._watcher.cancel()
+
+    return asyncio.run(timeout()), 123.0
+
+
 ENGINE: dict[str, tuple[Any, Check]] = {
     # model
     "engine.model.path": (
@@ -240,6 +256,7 @@ ENGINE: dict[str, tuple[Any, Check]] = {
     "engine.runtime.seed": (5, lambda b: (_worker(b).config.seed, 5)),
     "engine.runtime.num_threads": (1, lambda b: (_worker(b).config.num_threads, 1)),
     "engine.runtime.stream_interval": (3, _streamed),
+    "engine.runtime.step_timeout_s": (123.0, _step_timeout),
     # CUDA graphs are captured on CUDA only (a log line on CPU): they reach the worker.
     "engine.runtime.cuda_graphs": (False, lambda b: (_worker(b).config.cuda_graphs, False)),
     "engine.runtime.cuda_graph_batch_sizes": (

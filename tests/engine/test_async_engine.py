@@ -232,6 +232,41 @@ def test_a_command_taken_with_one_that_fails_the_engine_is_still_answered():
     asyncio.run(main())
 
 
+def test_an_engine_stuck_in_a_step_is_not_alive():
+    """A forward that never returns (a hung device or collective): the engine thread
+    was alive and the replica's health check passed, while its heartbeats (sent from
+    the event loop) kept it routed, so its requests hung forever. Past step_timeout_s
+    it is not alive, and says why."""
+
+    async def main():
+        core, _sched, fake = make_engine(block_size=4, num_blocks=64)
+        release = threading.Event()
+        forward = fake.execute_model
+
+        def hang(out):  # type: ignore[no-untyped-def]
+            release.wait(30)
+            return forward(out)
+
+        fake.execute_model = hang
+        engine = AsyncEngine(core, None, eos_token_id=None, step_timeout_s=0.2)
+        stream = engine.generate("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        first = asyncio.ensure_future(stream.__anext__())
+        deadline = time.monotonic() + 10
+        while engine.alive:
+            assert time.monotonic() < deadline, "a stuck engine stayed alive"
+            await asyncio.sleep(0.02)
+        assert engine.step_running_s() > 0.2 and engine.stats()["alive"] is False
+        assert "engine.runtime.step_timeout_s (0.2 s)" in engine.dead_message
+        release.set()  # the step ends: alive again, the request completes
+        await first
+        async for _ in stream:
+            pass
+        assert engine.alive and engine.step_running_s() == 0.0
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_stop_strings_without_a_tokenizer_fail_that_request_only():
     async def main():
         core, sched, _ = make_engine(block_size=4, num_blocks=64)

@@ -146,6 +146,7 @@ class EngineReplica:
                 more_eos_token_ids=self.eos_ids[1],
                 vocab_size=self.built.info.vocab_size,
                 stream_interval=self.args.stream_interval,
+                step_timeout_s=self.args.step_timeout_s,
                 on_thread_start=(lambda: _set_torch_threads(threads)) if threads else None,
                 metrics=metrics,
             )
@@ -392,7 +393,8 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Called by Serve; raising marks the replica unhealthy (restarted): the engine
-        thread failed, or a TP worker of its executor is gone (`RayExecutor`)."""
+        thread failed or has been stuck in one step past `step_timeout_s`, or a TP worker
+        of its executor is gone (`RayExecutor`)."""
         if self.engine is not None and not self.engine.alive:
             raise EngineDeadError(self.engine.dead_message)
         check = getattr(self.built.executor, "check_health", None)

@@ -124,6 +124,7 @@ class AsyncEngine:
         vocab_size: int | None = None,
         idle_wait_s: float = 0.05,
         stream_interval: int = 1,
+        step_timeout_s: float | None = None,
         on_thread_start: Callable[[], None] | None = None,
         metrics: EngineMetrics | None = None,
     ) -> None:
@@ -137,6 +138,9 @@ class AsyncEngine:
         self.vocab_size = vocab_size
         self.idle_wait_s = idle_wait_s
         self.stream_interval = stream_interval
+        self.step_timeout_s = step_timeout_s
+        """A step running longer makes the engine not `alive` (None: no bound)."""
+        self._step_started: float | None = None  # monotonic, while a step runs
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._unapplied: list[_Command | None] = []
         self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
@@ -325,12 +329,29 @@ class AsyncEngine:
     def dead_message(self) -> str:
         """What clients are told once the engine failed (no traceback: that
         stays in the replica's log)."""
+        if self.error is None and self.stuck:
+            return (
+                f"the engine has been in one step for {self.step_running_s():.0f} s, more "
+                f"than engine.runtime.step_timeout_s ({self.step_timeout_s:g} s): it is "
+                "stuck and being restarted, retry shortly"
+            )
         last = (self.error or "").strip().splitlines()[-1:] or ["unknown error"]
         return f"the engine failed ({last[0]}); it is being restarted, retry shortly"
 
+    def step_running_s(self) -> float:
+        """Seconds the engine thread has been in its current step (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    @property
+    def stuck(self) -> bool:
+        """The current step has run longer than `step_timeout_s`."""
+        return self.step_timeout_s is not None and self.step_running_s() > self.step_timeout_s
+
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        """The engine thread runs, has not failed, and is not stuck in a step."""
+        return self.error is None and self._thread.is_alive() and not self.stuck
 
     async def shutdown(self) -> None:
         """Stop the engine thread: requests in flight are aborted and their streams end
@@ -496,7 +517,11 @@ class AsyncEngine:
     def _step(self) -> None:
         t0 = time.perf_counter()
         started = self.metrics.clock() if self.metrics is not None else 0.0
-        outputs, stats = self.core.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs, stats = self.core.step()
+        finally:
+            self._step_started = None
         self.num_steps += 1
         update = self.processor.process(outputs)
         if update.to_finish:
