@@ -38,6 +38,11 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+MIN_TEMPERATURE = 0.01
+"""The smallest temperature other than 0 (vLLM's `_MAX_TEMP`): smaller ones are raised
+to it, so that only 0 is greedy."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; immutable once built.
@@ -48,7 +53,8 @@ class SamplingParams:
     n: int = 1
     """Independent completions of the prompt (forks sharing its KV blocks)."""
     temperature: float = 1.0
-    """0 means greedy; otherwise logits are divided by it. Range [0, 100]."""
+    """0 means greedy; otherwise logits are divided by it. Range [0, 100]. A value in
+    (0, 0.01) is raised to 0.01, as vLLM does: only 0 is greedy."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose mass >= top_p. (0, 1]."""
     top_k: int = 0
@@ -56,7 +62,8 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top one. [0, 1]."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever the batch, with
+    """Per-request seed (-1 means none, as in vLLM): the same seed gives the same tokens
+    whatever the batch, with
     or without speculative decoding (up to floating-point differences in the logits of
     differently shaped batches, as for greedy)."""
     presence_penalty: float = 0.0
@@ -104,6 +111,11 @@ class SamplingParams:
         object.__setattr__(self, "masked_eos_token_ids", tuple(self.masked_eos_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM: no seed
+            object.__setattr__(self, "seed", None)
+        t = self.temperature
+        if isinstance(t, (int, float)) and 0.0 < t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         self._validate()
 
     def _validate(self) -> None:

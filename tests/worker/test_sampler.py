@@ -354,6 +354,29 @@ def test_seed_gives_the_same_tokens_in_any_batch_at_any_row() -> None:
     assert _seeded_run(position=0, batch=1, steps=8, seed=8) != alone
 
 
+def test_seed_minus_one_means_no_seed_as_in_vllm() -> None:
+    """vLLM reads seed -1 as none; spur seeded a generator with it, so clients that
+    send -1 for "random" got the same tokens on every request."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 2
+    counts = _draw_counts(logits, SamplingParams(temperature=1.0, seed=-1), 64)
+    assert (counts > 0).sum() > 1  # drawn, not one seeded stream repeated
+
+
+def test_a_temperature_under_0_01_is_raised_to_it_as_in_vllm() -> None:
+    """vLLM raises temperatures in (0, 0.01) to 0.01, so that only 0 is greedy; spur
+    divided by them (1e-6 was greedy, 1e-3 nearly so). Two tokens 0.01 apart in logit
+    are then drawn at e^-1 : 1 (0.269 for the second), as vLLM draws them."""
+    assert SamplingParams(temperature=1e-6).temperature == 0.01
+    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=0.0).greedy
+    logits = torch.tensor([1.0, 0.99] + [-30.0] * 8)
+    counts = _draw_counts(logits, SamplingParams(temperature=1e-3), 4000)
+    share = counts[1].item() / 4000
+    assert 0.23 < share < 0.31, share  # 0.269 expected; 4000 draws: sd 0.007
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seed_reproducibility_on_cuda() -> None:
