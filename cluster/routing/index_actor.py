@@ -189,7 +189,8 @@ class KVIndexActor:
         for rid in replica_ids:
             state = self.index.replicas.get(rid)
             if state is not None:
-                self.unknown_routed.pop(rid, None)  # its own reports count from now
+                if self.unknown_routed:  # once known, its own reports count
+                    self.unknown_routed.pop(rid, None)
                 if not self.index.healthy(rid, now):
                     sick.append(rid)
                     continue

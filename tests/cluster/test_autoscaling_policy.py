@@ -133,7 +133,11 @@ def _context(config: Any, metrics: dict[str, dict[str, float]], *, current: int,
     )
 
 
-def test_serve_applies_spurs_delays_to_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def _under_serve(
+    monkeypatch: pytest.MonkeyPatch, *, max_replicas: int, target: float
+) -> tuple[Any, Any, Any, list[float]]:
+    """(spur's autoscaling config, Serve's, spur's policy wrapped by Serve's real delay
+    and bounds logic, the clock that logic reads: set clock[0] to move it)."""
     import ray.serve.autoscaling_policy as sap
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
@@ -141,8 +145,8 @@ def test_serve_applies_spurs_delays_to_the_policy(monkeypatch: pytest.MonkeyPatc
     from spur.configs.schema import AutoscalingConfig as SpurAutoscaling
 
     spur_cfg = SpurAutoscaling(
-        min_replicas=1, max_replicas=3, upscale_delay_s=5, downscale_delay_s=20,
-        target_ongoing_requests=4,
+        min_replicas=1, max_replicas=max_replicas, upscale_delay_s=5, downscale_delay_s=20,
+        target_ongoing_requests=target,
     )  # fmt: skip
     options = serve_autoscaling_config(spur_cfg)
     assert options["policy"]["policy_function"] == "spur.cluster.autoscaling:policy"
@@ -153,6 +157,11 @@ def test_serve_applies_spurs_delays_to_the_policy(monkeypatch: pytest.MonkeyPatc
     wrapped = sap._apply_autoscaling_config(config.policy.get_policy())
     clock = [1000.0]
     monkeypatch.setattr(sap.time, "time", lambda: clock[0])
+    return spur_cfg, config, wrapped, clock
+
+
+def test_serve_applies_spurs_delays_to_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    spur_cfg, config, wrapped, clock = _under_serve(monkeypatch, max_replicas=3, target=4)
     busy = {"waiting": {"r0": 6.0}, "running": {"r0": 4.0}, **_targets(spur_cfg, ["r0"])}
     state: dict[str, Any] = {}
     replicas, target = [], 1
@@ -188,24 +197,7 @@ def test_a_replica_still_starting_is_not_cancelled(monkeypatch: pytest.MonkeyPat
     running count to hold asked to cancel a starting replica once downscale_delay_s
     passed (a model loading longer than that never came up), and with every replica
     restarting (none running, no reports) the lane dropped at once to min_replicas."""
-    import ray.serve.autoscaling_policy as sap
-    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
-
-    from spur.cluster.app import serve_autoscaling_config
-    from spur.configs.schema import AutoscalingConfig as SpurAutoscaling
-
-    spur_cfg = SpurAutoscaling(
-        min_replicas=1, max_replicas=4, upscale_delay_s=5, downscale_delay_s=20,
-        target_ongoing_requests=8,
-    )  # fmt: skip
-    options = serve_autoscaling_config(spur_cfg)
-    config = AutoscalingConfig(
-        **{k: v for k, v in options.items() if k != "policy"},
-        policy=AutoscalingPolicy(**options["policy"]),
-    )
-    wrapped = sap._apply_autoscaling_config(config.policy.get_policy())
-    clock = [1000.0]
-    monkeypatch.setattr(sap.time, "time", lambda: clock[0])
+    spur_cfg, config, wrapped, clock = _under_serve(monkeypatch, max_replicas=4, target=8)
     one_waiting = {"waiting": {"r0": 1.0}, "running": {"r0": 3.0}, **_targets(spur_cfg, ["r0"])}
     for metrics, current, target in ((one_waiting, 1, 2), ({}, 2, 3)):
         state: dict[str, Any] = {}

@@ -120,6 +120,16 @@ def _sched(b: Any) -> Any:
     return b.replica.built.scheduler
 
 
+async def _stop_replica_engine(b: Any) -> None:
+    """The replica's engine belongs to the event loop that made it: stop it, so that the
+    next test (another loop) starts its own."""
+    if b.replica.engine is not None:
+        await b.replica.engine.shutdown()
+        b.replica.engine = None
+    if b.replica._watcher is not None:
+        b.replica._watcher.cancel()
+
+
 def _streamed(b: Any) -> tuple[Any, Any]:
     """stream_interval 3: the replica's engine has it, and a streamed request's deltas
     after the first hold 3 tokens or more (but the last)."""
@@ -137,12 +147,8 @@ def _streamed(b: Any) -> tuple[Any, Any]:
                 if item["type"] == "delta"
             ]
             return b.replica.engine.stream_interval, sizes
-        finally:  # the engine belongs to this event loop: the next test starts its own
-            if b.replica.engine is not None:
-                await b.replica.engine.shutdown()
-                b.replica.engine = None
-            if b.replica._watcher is not None:
-                b.replica._watcher.cancel()
+        finally:
+            await _stop_replica_engine(b)
 
     interval, sizes = asyncio.run(stream())
     grouped = sum(sizes) == 10 and all(n >= 3 for n in sizes[1:-1])
@@ -155,12 +161,8 @@ def _step_timeout(b: Any) -> tuple[Any, Any]:
     async def timeout() -> float | None:
         try:
             return b.replica._engine().step_timeout_s
-        finally:  # the engine belongs to this event loop: the next test starts its own
-            if b.replica.engine is not None:
-                await b.replica.engine.shutdown()
-                b.replica.engine = None
-            if b.replica._watcher is not None:
-                b.replica._watcher.cancel()
+        finally:
+            await _stop_replica_engine(b)
 
     return asyncio.run(timeout()), 123.0
 
