@@ -248,6 +248,9 @@ def test_a_request_that_ends_at_its_first_token_spent_its_step_in_prefill():
     assert h["vllm:request_queue_time_seconds"]["sum"] == 0.0
     assert h["vllm:request_prefill_time_seconds"]["sum"] == 0.5
     assert h["vllm:request_prefill_time_seconds"]["count"] == 1
+    # No decode: its time per output token is observed as 0, as vLLM observes it.
+    tpot = h["vllm:request_time_per_output_token_seconds"]
+    assert tpot["count"] == 1 and tpot["sum"] == 0.0
 
 
 def test_the_completions_of_an_n_request_share_its_prefill_not_queue():

@@ -372,10 +372,11 @@ class EngineMetrics:
         h["vllm:request_decode_time_seconds"].observe(now - first)
         h["vllm:request_prompt_tokens"].observe(t.num_prompt_tokens)
         h["vllm:request_generation_tokens"].observe(t.num_generated)
-        if t.num_generated > 1:
-            h["vllm:request_time_per_output_token_seconds"].observe(
-                (now - first) / (t.num_generated - 1)
-            )
+        # As vLLM: a request with at most one output token has no decode, and its time
+        # per output token is observed as 0 (so the count is the finished requests').
+        h["vllm:request_time_per_output_token_seconds"].observe(
+            (now - first) / (t.num_generated - 1) if t.num_generated > 1 else 0.0
+        )
 
     # -- any thread -------------------------------------------------------------------
     def restore_window(self, snapshot: dict[str, Any]) -> None:
