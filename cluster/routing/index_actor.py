@@ -24,6 +24,7 @@ from spur.cluster.routing.policy import Candidate, Weights, choose
 INDEX_NAME = "spur-kv-index"
 INDEX_NAMESPACE = "spur"
 MAX_SESSIONS = 100_000
+MAX_ROUTING = 10_000  # requests remembered between Serve's retries of their routing
 MATCHED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -41,6 +42,9 @@ class KVIndexActor:
         self.unknown_routed: Counter[str] = Counter()
         """Requests routed to replicas the index does not know yet (it restarted, or a
         replica has not published): their load until they do, so that a burst spreads."""
+        self.routing: OrderedDict[str, str] = OrderedDict()
+        """Request id -> the replica its routing charged (load, recorded chain), so that
+        Serve's retries of one request (no replica took it) count once."""
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
         self.store = MetricsStore()
@@ -179,11 +183,17 @@ class KVIndexActor:
         chain: list[BlockHash],
         weights: dict[str, float],
         session: str | None = None,
+        request_id: str | None = None,
     ) -> list[str]:
         """Rank `replica_ids` (Serve's current replicas of the lane) for a request
         with `chain`, and record the chain at the first one. Replicas the index
         holds unhealthy go last; unknown ones count as empty, loaded with the requests
-        this actor routed to them since it has known nothing of them."""
+        this actor routed to them since it has known nothing of them.
+
+        Serve asks again for a request no replica took (all full); with `request_id`,
+        a repeat only ranks: the decision, its matched blocks and the session count
+        once, and the request's one unit of load moves if the first replica changed
+        (its own recorded chain counts as held, as the first ask left it)."""
         now = self.index.clock()
         healthy, sick = [], []
         for rid in replica_ids:
@@ -208,7 +218,18 @@ class KVIndexActor:
         affinity = self.sessions.get(session) if session else None
         decision = choose(healthy, len(chain), Weights(**weights), affinity=affinity)
         best = decision.ranked[0]
+        charged = self.routing.get(request_id) if request_id is not None else None
+        if charged is not None:  # a retry: count nothing again
+            if charged != best:
+                self._uncharge(charged)
+                self._record(best, chain)
+                self.routing[request_id] = best  # type: ignore[index]
+            return decision.ranked + sick
         self._record(best, chain)
+        if request_id is not None:
+            self.routing[request_id] = best
+            while len(self.routing) > MAX_ROUTING:
+                self.routing.popitem(last=False)
         if session:
             self.sessions[session] = best
             self.sessions.move_to_end(session)
@@ -220,9 +241,26 @@ class KVIndexActor:
         self.matched_hist[(lane, bucket)] += 1
         return decision.ranked + sick
 
-    def routed_elsewhere(self, replica_id: str, chain: list[BlockHash]) -> None:
-        """Serve sent the request to another replica than the first ranked one."""
+    def routed_elsewhere(
+        self, replica_id: str, chain: list[BlockHash], request_id: str | None = None
+    ) -> None:
+        """Serve sent the request to another replica than the first ranked one: the
+        chain and the unit of load go there (taken back from the one first charged)."""
+        charged = self.routing.pop(request_id, None) if request_id is not None else None
+        if charged is not None:
+            self._uncharge(charged)
         self._record(replica_id, chain)
+
+    def _uncharge(self, replica_id: str) -> None:
+        """Take back the unit of load a routing charged to `replica_id` (its recorded
+        chain expires on its own)."""
+        state = self.index.replicas.get(replica_id)
+        if state is not None:
+            state.routed_since_heartbeat = max(0, state.routed_since_heartbeat - 1)
+        elif self.unknown_routed[replica_id] > 1:
+            self.unknown_routed[replica_id] -= 1
+        else:
+            self.unknown_routed.pop(replica_id, None)
 
     def _record(self, replica_id: str, chain: list[BlockHash]) -> None:
         if replica_id in self.index.replicas:

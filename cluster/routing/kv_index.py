@@ -92,7 +92,8 @@ class _Slot:
     restarts: int = 0
     start_failures: int = 0
     """Every start failure ever (a counter for metrics; `failures` is the window)."""
-    last_replica: str | None = None
+    members: set[str] = field(default_factory=set)
+    """Replicas that started here and have not left (live, or gone without a word)."""
     last_error: str | None = None
 
 
@@ -127,15 +128,24 @@ class KVIndex:
     def register(
         self, replica_id: str, lane: str, node: str, stats: dict[str, Any] | None = None
     ) -> None:
-        """A replica finished starting on `node` (counts as a restart of the slot
-        when an earlier replica ran there); `stats` is its load so far, if any."""
+        """A replica finished starting on `node`; `stats` is its load so far, if any.
+        It counts as a restart of the slot when it replaces one that ran there and is
+        gone without leaving (dropped, silent or failed); a second live replica of the
+        lane on the node (a scale-up, two TP replicas on one node) is no restart."""
         if replica_id in self.replicas:  # re-registering after an index restart
             return
         now = self.clock()
         slot = self.slots.setdefault((lane, node), _Slot())
-        if slot.last_replica is not None:  # an earlier replica ran here (dropped or not)
+        gone = sorted(
+            m
+            for m in slot.members
+            if m != replica_id
+            and (m not in self.replicas or not self._alive(self.replicas[m], now))
+        )
+        if gone:  # one replacement per restart: each new replica takes one gone one's place
             slot.restarts += 1
-        slot.last_replica = replica_id
+            slot.members.discard(gone[0])
+        slot.members.add(replica_id)
         # A new replica on a node replaces an earlier one of the lane there that is
         # gone (TP>1 lanes may run several live replicas on one node: those stay).
         stale = [
@@ -312,8 +322,8 @@ class KVIndex:
         if state is None:
             return False
         slot = self.slots.get((state.lane, state.node))
-        if slot is not None and slot.last_replica == replica_id:
-            slot.last_replica = None
+        if slot is not None:
+            slot.members.discard(replica_id)
         return True
 
     # -- health ---------------------------------------------------------------------------

@@ -103,8 +103,9 @@ class PrefixRouter(_IndexRouter):
     def _ask(self, replica_ids: list[str], pending: PendingRequest | None) -> Any:
         payload = _payload(pending)
         chain = payload.get("block_hashes") or []
+        request_id = pending.metadata.internal_request_id if pending is not None else None
         return self.index.route.remote(
-            self.lane, replica_ids, chain, self.weights, payload.get("session")
+            self.lane, replica_ids, chain, self.weights, payload.get("session"), request_id
         )
 
     async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
@@ -118,11 +119,12 @@ class PrefixRouter(_IndexRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        first = self.first_choice.pop(pending_request.metadata.internal_request_id, None)
+        request_id = pending_request.metadata.internal_request_id
+        first = self.first_choice.pop(request_id, None)
         chosen = replica_id.unique_id
         if first is not None and first != chosen:
             chain = _payload(pending_request).get("block_hashes") or []
-            self.index.routed_elsewhere.remote(chosen, chain)
+            self.index.routed_elsewhere.remote(chosen, chain, request_id)
 
 
 class RoundRobinRouter(_IndexRouter):

@@ -160,17 +160,22 @@ def test_new_replica_on_same_slot_replaces_old_and_counts_restart(t):
     idx.register("r1", "L", "n1")  # same id: no-op
     assert idx.replicas["r1"].synced
     assert idx.lane_report("L")["replicas"][0]["restarts"] == 0
-    idx.register("r2", "L", "n1")  # r1 still heartbeats: a second live replica there
+    idx.register("r2", "L", "n1")  # r1 still heartbeats: a second live replica there:
     assert set(idx.replicas) == {"r1", "r2"}
+    assert {r["restarts"] for r in idx.lane_report("L")["replicas"]} == {0}  # no restart
     idx.drop("r2")
     t[0] += idx.heartbeat_timeout_s + 1  # r1 went silent: the next one replaces it
-    idx.register("r2", "L", "n1")
-    assert set(idx.replicas) == {"r2"}
+    idx.register("r3", "L", "n1")
+    assert set(idx.replicas) == {"r3"}
     [rep] = idx.lane_report("L")["replicas"]
-    assert rep["replica_id"] == "r2"
-    assert rep["restarts"] == 2
-    idx.register("r3", "L", "n2")  # other node: no replacement
-    assert set(idx.replicas) == {"r2", "r3"}
+    assert rep["replica_id"] == "r3"
+    assert rep["restarts"] == 1  # two gone, one replacement
+    idx.register("r4", "L", "n1")  # the second gone one's replacement
+    assert {r["restarts"] for r in idx.lane_report("L")["replicas"]} == {2}
+    idx.register("r5", "L", "n1")  # nothing left to replace: a scale-up
+    assert {r["restarts"] for r in idx.lane_report("L")["replicas"]} == {2}
+    idx.register("r6", "L", "n2")  # other node: no replacement
+    assert set(idx.replicas) == {"r3", "r4", "r5", "r6"}
 
 
 def test_restart_loop_marks_slot_down(t):
@@ -359,3 +364,36 @@ def test_a_burst_to_replicas_the_index_does_not_know_spreads() -> None:
     actor.register("r0", "chat", "node-r0")  # once known, its own reports count
     actor.route("chat", ids, [b"x"], weights)
     assert "r0" not in actor.unknown_routed
+
+
+def test_serve_retrying_one_request_counts_it_once() -> None:
+    """Serve asks the router again for a request no replica took (both full, backoff
+    25 ms to 0.5 s). Each ask counted a decision, a matched-blocks observation and a
+    unit of load at the top replica, and from the second ask the request matched the
+    chain its own first ask recorded ("prefix", full-chain hits that never happened)."""
+    from spur.cluster.routing.index_actor import KVIndexActor
+
+    t = [100.0]
+    actor = KVIndexActor(clock=lambda: t[0])
+    for rid in ("A", "B"):
+        actor.register(rid, "chat", rid)
+        actor.resync(rid, -1, [])
+        actor.publish(rid, [], {"num_running": 4, "num_waiting": 0})
+    chain = [bytes([i]) * 32 for i in range(8)]
+    weights = {"load_weight": 1.0, "kv_usage_weight": 8.0, "hot_spot_margin": 8.0}
+    first = actor.route("chat", ["A", "B"], chain, weights, request_id="req-1")[0]
+    for _ in range(5):  # the same request, asked again
+        actor.route("chat", ["A", "B"], chain, weights, request_id="req-1")
+    m = actor.metrics()
+    assert m["decisions"] == [{"lane": "chat", "reason": "load", "count": 1}]
+    assert sum(x["count"] for x in m["matched_blocks"]) == 1
+    loads = {r: actor.index.replicas[r].routed_since_heartbeat for r in "AB"}
+    assert loads == {first: 1, ({"A", "B"} - {first}).pop(): 0}
+    # Serve took it elsewhere at last: the unit of load moves there.
+    other = ({"A", "B"} - {first}).pop()
+    actor.routed_elsewhere(other, chain, "req-1")
+    loads = {r: actor.index.replicas[r].routed_since_heartbeat for r in "AB"}
+    assert loads == {first: 0, other: 1}
+    # Another request is another decision.
+    actor.route("chat", ["A", "B"], chain, weights, request_id="req-2")
+    assert sum(d["count"] for d in actor.metrics()["decisions"]) == 2
