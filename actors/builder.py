@@ -345,6 +345,33 @@ def cache_groups(info: ModelInfo) -> tuple[KVCacheGroup, ...]:
     return (KVCacheGroup(spec, info.num_attention_layers),)
 
 
+TOKENIZER_FILES_MAX_BYTES = 64 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+def tokenizer_files(model_dir: str) -> dict[str, bytes]:
+    """What another process needs to load the folder's tokenizer (and chat template)
+    where the folder is not on its disk (the ingress on another pod than the engine):
+    every regular file of the folder but weights, name -> bytes.
+
+    Raises ValueError when they exceed TOKENIZER_FILES_MAX_BYTES (set
+    `engine.model.tokenizer` to a folder holding the tokenizer alone)."""
+    files: dict[str, bytes] = {}
+    total = 0
+    for path in sorted(Path(model_dir).iterdir()):
+        if not path.is_file() or path.name.startswith(".") or path.suffix in _WEIGHT_SUFFIXES:
+            continue
+        total += path.stat().st_size
+        if total > TOKENIZER_FILES_MAX_BYTES:
+            raise ValueError(
+                f"the tokenizer folder {model_dir} holds over "
+                f"{TOKENIZER_FILES_MAX_BYTES >> 20} MiB of files besides weights: set "
+                "engine.model.tokenizer to a folder with the tokenizer's files alone"
+            )
+        files[path.name] = path.read_bytes()
+    return files
+
+
 def load_tokenizer(model_dir: str) -> Any | None:
     """The folder's Hugging Face tokenizer, or None when it has none."""
     folder = Path(model_dir)

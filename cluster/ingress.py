@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -58,6 +59,7 @@ from spur.cluster.fanout import FanOut
 from spur.cluster.lanes import Lane, LaneMonitor, LaneSelector
 from spur.cluster.readiness import health_report, shutting_down
 from spur.cluster.routing.index_actor import get_index, index_kwargs_of
+from spur.cluster.tokenizer_cache import local_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -408,12 +410,12 @@ class Ingress:
             )
         # The engine's tokenizer (engine.model.tokenizer, else its model folder).
         tok_dir = own.get("tokenizer_dir") or own["model_dir"]
-        async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
-            lane.tokenizer = await asyncio.to_thread(_load_tokenizer, tok_dir)
+        source = lane.name if stats is not None else spare
+        assert source is not None
+        lane.tokenizer = await self._engine_tokenizer(source, tok_dir)
         spare_tok = (spare_stats or {}).get("tokenizer_dir") or (spare_stats or {}).get("model_dir")
         if spare and stats and spare_stats and spare_tok != tok_dir:
-            async with _TOKENIZER_LOCK:
-                other = await asyncio.to_thread(_load_tokenizer, spare_tok)
+            other = await self._engine_tokenizer(spare, spare_tok)
             if other.get_vocab() != lane.tokenizer.get_vocab():
                 self.selector.disable_spare(
                     lane.name,
@@ -421,6 +423,18 @@ class Ingress:
                     f"the lane's model ({stats['model_dir']}): fallback disabled; give the "
                     "spare a model with the same tokenizer",
                 )
+
+    async def _engine_tokenizer(self, name: str, tok_dir: str) -> Any:
+        """The tokenizer of deployment `name`'s engines, whose folder is `tok_dir` on
+        their node: read from there when this node has it (one node, shared storage),
+        else from a copy of the files the engine sends (`tokenizer_cache`)."""
+        if not await asyncio.to_thread(os.path.isdir, tok_dir):
+            files = await asyncio.wait_for(self.lanes[name].handle.tokenizer_files.remote(), 60)
+            local = await asyncio.to_thread(local_tokenizer_dir, files)
+            logger.info("%s: tokenizer folder %s is not on this node; using a copy", name, tok_dir)
+            tok_dir = str(local)
+        async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
+            return await asyncio.to_thread(_load_tokenizer, tok_dir)
 
     def _note_unknown(self, fields: list[str]) -> None:
         new = [f[:64] for f in fields[:16] if f[:64] not in self._warned_fields]

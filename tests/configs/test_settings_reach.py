@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import sys
 import types
@@ -413,9 +414,13 @@ def test_projected_engine_setting_reaches_the_worker_config(path: str) -> None:
     assert EngineArgs.from_config(EngineConfig()).worker_config().device == "cpu"
 
 
-def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
+def test_tokenizer_reaches_llm_and_the_ingress(
+    built: Any, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """model.tokenizer: the offline LLM and the ingress (which loads the folder its
-    engines report) tokenize with it, not with the model folder's (it has none)."""
+    engines report) tokenize with it, not with the model folder's (it has none). An
+    ingress on another node than the engine (on Kubernetes: another pod), where the
+    reported folder does not exist, loads a copy of the files the engine sends."""
     from spur.actors.builder import load_tokenizer
     from spur.cluster.ingress import Ingress
     from spur.cluster.lanes import Lane
@@ -423,26 +428,50 @@ def test_tokenizer_reaches_llm_and_the_ingress(built: Any, tiny: Any) -> None:
     assert load_tokenizer(str(tiny.model)) is None  # the model folder has none
     assert built.llm.tokenizer is not None, "LLM(tokenizer=...) loaded no tokenizer"
     assert built.llm.encode("w3 w4") == [5, 6]
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path))
+    sent: list[int] = []
 
-    async def ingress_lane() -> Any:
+    async def ingress_lanes() -> tuple[Any, Any]:
         stats = await built.replica.stats()
         await built.replica.engine.shutdown()
         built.replica.engine = None  # it belonged to this event loop
         if built.replica._watcher is not None:
             built.replica._watcher.cancel()
+        elsewhere = {**stats, "tokenizer_dir": str(tmp_path / "on-the-engine-pod-only")}
 
-        async def _stats(name: str, timeout_s: float = 10.0, *, quiet: bool = False) -> Any:
-            return stats
+        async def tokenizer_files() -> dict[str, bytes]:
+            sent.append(1)
+            return await built.replica.tokenizer_files()
 
-        fake = types.SimpleNamespace(
-            selector=types.SimpleNamespace(spare_of={}), draining=None, _stats=_stats
-        )
-        lane = Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
-        await Ingress._init_lane(fake, lane)  # type: ignore[arg-type]
-        return lane
+        def ingress(reported: dict[str, Any]) -> Any:
+            async def _stats(name: str, timeout_s: float = 10.0, *, quiet: bool = False) -> Any:
+                return reported
 
-    lane = asyncio.run(ingress_lane())
+            handle = types.SimpleNamespace(
+                tokenizer_files=types.SimpleNamespace(remote=tokenizer_files)
+            )
+            fake = types.SimpleNamespace(
+                selector=types.SimpleNamespace(spare_of={}),
+                draining=None,
+                _stats=_stats,
+                lanes={"chat": types.SimpleNamespace(handle=handle)},
+            )
+            fake._engine_tokenizer = functools.partial(Ingress._engine_tokenizer, fake)
+            return fake
+
+        lanes = []
+        for reported in (stats, elsewhere):
+            lane = Lane("chat", None, {"block_size": 8, "hash_seed": "reach"})
+            await Ingress._init_lane(ingress(reported), lane)  # type: ignore[arg-type]
+            lanes.append(lane)
+        return lanes[0], lanes[1]
+
+    lane, remote = asyncio.run(ingress_lanes())
     assert lane.tokenizer("w3 w4")["input_ids"] == [5, 6]
+    assert remote.tokenizer("w3 w4")["input_ids"] == [5, 6]
+    assert sent == [1]  # only the ingress that lacked the folder asked for it
+    [copy] = (tmp_path / "tokenizers").iterdir()
+    assert {f.name for f in copy.iterdir()} == {f.name for f in tiny.tokenizer.iterdir()}
     assert lane.max_model_len == 96
     # the replica's sampling defaults (generation_config vllm + the override) reach the lane
     assert lane.sampling_defaults == built.replica.built.sampling_defaults

@@ -366,6 +366,15 @@ class EngineReplica:
             **engine.stats(),
         }
 
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        """The files of this engine's tokenizer folder (`builder.tokenizer_files`), for
+        an ingress on a node where that folder does not exist (the demo model's
+        conversion cache, a GGUF's, a path mounted on the engine's pod only)."""
+        from spur.actors.builder import tokenizer_files
+
+        folder = self.args.tokenizer_dir(self.built.info.model_dir)
+        return await asyncio.to_thread(tokenizer_files, folder)
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve every few seconds for the autoscaling policy
         (`spur.cluster.autoscaling`): this replica's waiting and running requests, KV
