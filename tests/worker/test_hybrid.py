@@ -320,3 +320,38 @@ def test_prefill_stops_at_its_last_block_boundary(caching):
         sched.update_from_output(out, executor.execute_model(out))
     assert chunks == ([96, 4, 1] if caching else [100, 1])
     sched.check_integrity()
+
+
+@pytest.mark.parametrize("prompt_len", [64, 65, 100])
+def test_a_repeated_prompt_hits_all_but_its_last_block_also_when_aligned(prompt_len):
+    """A prompt sent twice reuses (P - 1) // 16 blocks, as on a model without state
+    groups. A prompt ending on a block boundary (64) was prefilled in one chunk: the
+    only state kept was the one after all 64 tokens, which no repeat can use (its last
+    token is always computed), so its repeat hit nothing."""
+    from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
+    from spur.actors.engine.core.engine_core import EngineCore
+    from spur.actors.engine.core.fake_executor import FakeExecutor
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+
+    groups = (KVCacheGroup(FullAttentionSpec(1, 1, 2), 1), KVCacheGroup(StateSpec(64), 1))
+    kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups)
+    config = SchedulerConfig(
+        max_num_batched_tokens=512,
+        max_num_seqs=16,
+        max_model_len=256,
+        long_prefill_token_threshold=0,
+        policy="fcfs",
+        check_kv_bounds=True,
+    )
+    sched = Scheduler(config, kv)
+    core = EngineCore(sched, FakeExecutor(kv))
+    cached = []
+    for name in ("first", "repeat"):
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        core.add_request(sched.make_request(name, list(range(1, prompt_len + 1)), params))
+        while core.has_unfinished_requests():
+            outputs, _ = core.step()
+            cached += [o.num_cached_tokens for o in outputs if o.finished]
+            sched.check_integrity()
+    assert cached == [0, (prompt_len - 1) // 16 * 16]

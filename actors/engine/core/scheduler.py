@@ -367,10 +367,12 @@ class Scheduler:
             bs = self.block_size
             if end < target:
                 num_new = end // bs * bs - computed
-            elif self._cut_tail and computed < target // bs * bs < end:
-                # The last chunk of a prefill stops at the last block boundary
-                # first, so the state there is kept (cacheable); the tail follows.
-                num_new = target // bs * bs - computed
+            elif self._cut_tail and computed < (target - 1) // bs * bs < end:
+                # The last chunk of a prefill stops first at the last block boundary
+                # before its last token, so the state there is kept: the longest hit
+                # a repeat of the prompt can use (its last token is always computed),
+                # also when the prompt ends on a boundary. The tail follows.
+                num_new = (target - 1) // bs * bs - computed
         return num_new
 
     def _fork_waits_for_admission(self, req: Request, num_hit: int) -> bool:
