@@ -452,6 +452,18 @@ def load_weights(model: nn.Module, path: Path, *, device: torch.device, dtype: t
             f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs: {shown}{more}; "
             "the weights do not match config.json (or the folder is incomplete)"
         )
+    # A tensor of the model's own tree (`model.`) that the model built from config.json
+    # has no parameter for means config.json does not describe these weights (fewer
+    # layers, another architecture): serving would silently drop part of the model.
+    foreign = [n for n in unexpected if rename(n).startswith("model.")]
+    if foreign:
+        shown = ", ".join(repr(m) for m in foreign[:8])
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        raise ModelLoadError(
+            f"checkpoint {path} has {len(foreign)} tensor(s) the model built from its "
+            f"config.json does not have: {shown}{more}; config.json does not describe these "
+            "weights (num_hidden_layers, architectures): fix it or use the matching folder"
+        )
     if unexpected:
         logger.warning(
             "%s: ignored %d checkpoint tensor(s) the model does not use, e.g. %s",

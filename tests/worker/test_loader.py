@@ -84,6 +84,20 @@ def test_missing_tensor_is_named(tmp_path, tiny_model_dir):
     assert "'model.norm.weight'" in msg
 
 
+def test_weights_config_json_does_not_describe_are_refused(tmp_path, tiny_model_dir):
+    """config.json says 1 layer, the checkpoint holds 2: the second layer's tensors
+    were ignored with a warning and a truncated model served."""
+    path = _copy(tiny_model_dir("llama"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, dtype="float32", device="cpu")
+    msg = str(info.value)
+    assert re.search(r"has 9 tensor\(s\) the model built from its config\.json", msg), msg
+    assert "'model.layers.1.input_layernorm.weight'" in msg and "num_hidden_layers" in msg
+
+
 def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path, tiny_model_dir):
     path = _copy(tiny_model_dir("llama"), tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
