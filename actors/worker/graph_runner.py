@@ -97,6 +97,7 @@ class DecodeGraphs:
             else {name: t.to(device) for name, t in self._host.items()}
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied: Any = None  # a CUDA event after the last load's copies
         self._width = 1  # block-table columns of the loaded step
         self._max_seq_len = 1
         # Decode steps served through the buffers (replayed or emulated), per size.
@@ -111,9 +112,13 @@ class DecodeGraphs:
         """Write a decode step (padded to `size`) into the host and device buffers.
 
         The host-to-device copies are asynchronous (pinned memory): the host buffers
-        must not be rewritten before they are done, which the step's sampling (a
-        host read of tokens computed from these inputs) guarantees before the next
-        `load`."""
+        must not be rewritten before they are done. A step that samples reads its
+        tokens on the host, which waits for them, but one that samples nothing (every
+        request a non-final one-token chunk) does not: the next load waits for the
+        event recorded after the copies."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
         width = fill_padded(self.host, inputs, size)
         self._width = width
         self._max_seq_len = inputs.max_seq_len
@@ -126,6 +131,8 @@ class DecodeGraphs:
         # query_start_loc is arange(size + 1) in every padded step: written at capture.
         if not self.graphs:
             d["query_start_loc"][: size + 1].copy_(h["query_start_loc"][: size + 1])
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def replay(self, size: int) -> torch.Tensor:
         """The hidden states `[size, hidden]` of the loaded step: the graph's replay,
