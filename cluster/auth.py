@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from starlette._utils import get_route_path
+
 from spur.actors.engine.core.hashing import tenant_salt
 from spur.cluster.errors import ERROR_CODE_HEADER, ProtocolError, error_body
 
@@ -373,9 +375,10 @@ class AuthGuard:
             raise AuthConfigError(
                 "server.auth.require_keys is on but no API keys were found here (environment "
                 f"variable {auth.get('keys_env')!r}, keys_file {auth.get('keys_file')!r}): "
-                "export the keys on every node that may run an ingress replica (the Helm "
-                "chart does, from apiKeys.secretName), or pin the ingress with "
-                "server.ingress_resources"
+                "export the keys on every node that may run an ingress replica (on a joined "
+                "cluster: in the environment of `ray start` on its nodes, as the Helm chart "
+                "does from apiKeys.secretName), or give a keys_file those nodes can read, or "
+                "pin the ingress with server.ingress_resources"
             )
         return cls(
             store,
@@ -460,6 +463,15 @@ def current_guard() -> AuthGuard | None:
     return _GUARD
 
 
+def route_path(scope: Scope) -> str:
+    """The path the router matches: `scope["path"]` less the `root_path` in front of it
+    (Serve puts its `http_options.root_path` and a `route_prefix` other than "/" in
+    both). The guard must judge this path, not the raw one: with root_path "/spur",
+    "/spur/admin/config" is routed to /admin/config and needs an admin key. Starlette's
+    own function, so that the guard and the router can never disagree."""
+    return get_route_path(scope) if "path" in scope else ""
+
+
 class AuthMiddleware:
     """ASGI middleware: every HTTP request passes `AuthGuard.check` before any
     route runs (routes added later are covered too: default deny). A refusal is
@@ -483,7 +495,7 @@ class AuthMiddleware:
                 header = value.decode("latin-1")
                 break
         try:
-            principal = guard.check(scope.get("path", ""), header)
+            principal = guard.check(route_path(scope), header)
         except ProtocolError as exc:
             await send_error(send, exc)
             return

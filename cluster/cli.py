@@ -387,12 +387,11 @@ def cmd_top(args: argparse.Namespace) -> int:
     if not args.url.startswith(("http://", "https://")):
         raise UsageError(f"--url {args.url!r}: give the server's URL, e.g. http://127.0.0.1:8000")
     try:
-        return run(
-            args.url,
-            once=args.once,
-            interval_s=args.interval,
-            admin_key=args.admin_key or client_api_key(admin=True),
-        )
+        admin_key = client_api_key(admin=True, given=args.admin_key, flag="--admin-key")
+    except ValueError as e:  # names the flag or variable, never the key
+        raise UsageError(str(e)) from None
+    try:
+        return run(args.url, once=args.once, interval_s=args.interval, admin_key=admin_key)
     except TopError as e:
         print(f"spur: error: {e}", file=sys.stderr)
         return 1
@@ -447,7 +446,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     from spur.cluster.app import refuse_speculation_on_state_models, refuse_test_settings
-    from spur.cluster.auth import AuthConfigError, is_loopback, load_keys
+    from spur.cluster.auth import AuthConfigError, AuthGuard, is_loopback
     from spur.cluster.server import run_server
 
     try:  # before Ray starts: a config error, not a traceback from the deployment
@@ -457,13 +456,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
 
-    try:  # the ingress reads them again in its own process; fail early here
-        keys = load_keys(cfg.server.auth.model_dump())
+    try:  # the ingress's own check (require_keys included), here before Ray starts
+        keys = AuthGuard.from_config(cfg.server.auth.model_dump()).store
     except AuthConfigError as e:
         raise UsageError(str(e)) from None
     if keys:
         roles = sum(1 for e in keys.entries if e.admin)
         print(f"API keys: {len(keys) - roles} API key(s), {roles} admin key(s)", file=sys.stderr)
+        # The ingress reads the keys again in its own process: on a joined cluster
+        # (--address) a worker of that cluster, with the cluster's environment, not this
+        # one's. Keys found here mean the API must not run without them there: fail
+        # closed (a replica that finds none refuses to start, naming the fix).
+        cfg = apply_overrides(cfg, {"server.auth.require_keys": True})
     elif not is_loopback(cfg.server.host):
         print(
             f"spur: warning: serving on {cfg.server.host} without API keys: anyone who can "
@@ -492,14 +496,26 @@ def cmd_config(args: argparse.Namespace) -> int:
 
         cfg = _load(args.config)
         url = args.url.rstrip("/") + "/admin/config"
-        key = args.api_key or client_api_key(admin=True)
+        try:
+            key = client_api_key(admin=True, given=args.api_key)
+        except ValueError as e:  # names the flag or variable, never the key
+            raise UsageError(str(e)) from None
         headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
             request = urllib.request.Request(url, headers=headers)
+        except ValueError as e:  # the URL's own words (no header is checked here)
+            raise UsageError(f"--url: {e}") from None
+        try:
             with urllib.request.urlopen(request, timeout=10) as resp:
-                live = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError) as e:
+                body = resp.read()
+        except (urllib.error.URLError, OSError) as e:
             raise UsageError(f"cannot read the live config at {url}: {e}") from None
+        except ValueError:  # http.client's header check quotes the header: never shown
+            raise UsageError(f"cannot send the request to {url}: a header is invalid") from None
+        try:
+            live = json.loads(body)
+        except ValueError:
+            raise UsageError(f"{url} did not answer with a JSON config") from None
         lines = diff(cfg, live)
         for line in lines:
             print(line)
@@ -774,6 +790,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if not args.url:
             raise UsageError("give --url of a running spur server (or --peer llama-cpp)")
+        try:  # the errors name the flag or variable, never the key
+            api_key = client_api_key(given=args.api_key)
+            admin_key = client_api_key(admin=True, given=args.admin_key, flag="--admin-key")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         try:
             result = serve.run(
                 url=args.url,
@@ -783,8 +804,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 requests_per_level=args.requests,
                 rounds=args.rounds,
                 baseline_url=args.baseline_url,
-                api_key=args.api_key or client_api_key(),
-                admin_key=args.admin_key or client_api_key(admin=True),
+                api_key=api_key,
+                admin_key=admin_key,
                 progress=not args.no_progress,
             )
         except (OSError, ValueError) as e:

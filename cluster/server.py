@@ -87,6 +87,17 @@ def wait_ready(
     return False
 
 
+def serves_without_a_key(url: str) -> bool:
+    """Whether `GET {url}/admin/config` answers 200 to a request without a key: the
+    ingress that answered has no keys. False when it cannot be asked."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/admin/config", timeout=10.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def drain(cfg: SpurConfig, reason: str, margin_s: float = 10.0) -> None:
     """Drain the deployment before it is deleted: the KV index's drain flag makes every
     ingress refuse new requests (and /health say 503) and every engine replica drain
@@ -200,6 +211,17 @@ def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
             deploying = False
         take_signals()
         if wait_ready(url, stop_event):
+            # Belt and braces for require_keys (on whenever `spur serve` found keys): an
+            # ingress that ignores it (older spur code on a joined cluster's nodes) and
+            # found no keys would serve everything open. Never announce that.
+            if cfg.server.auth.require_keys and serves_without_a_key(url):
+                logger.error(
+                    "%s/admin/config answers without a key although server.auth.require_keys "
+                    "is on: the ingress found no keys and ignored the setting (is this spur "
+                    "version installed on every node?); stopping",
+                    url,
+                )
+                return 1
             announce(url)
         while not stop_event.is_set():
             stop_event.wait(0.2)

@@ -81,6 +81,8 @@ def _get(url: str, admin_key: str | None) -> bytes:
         raise TopError(f"{url} answered {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise TopError(f"cannot reach {url}: {exc}") from None
+    except ValueError:  # http.client's header check quotes the header, key included
+        raise TopError(f"cannot send a request to {url}: the URL or the key is invalid") from None
 
 
 def read(url: str, admin_key: str | None = None) -> Reading:

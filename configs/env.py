@@ -77,10 +77,36 @@ def api_keys_text(var: str, environ: Mapping[str, str] | None = None) -> str | N
     return (os.environ if environ is None else environ).get(var)
 
 
-def client_api_key(admin: bool = False) -> str | None:
-    """The key spur's own clients (`spur bench serve`, `spur config diff`) send when
-    no --api-key flag is given: `SPUR_ADMIN_KEY` for /admin/* calls (falling back
-    to `SPUR_API_KEY`), else `SPUR_API_KEY`."""
-    if admin and os.environ.get("SPUR_ADMIN_KEY"):
-        return os.environ["SPUR_ADMIN_KEY"]
-    return os.environ.get("SPUR_API_KEY") or None
+def checked_client_key(value: str | None, source: str) -> str | None:
+    """`value` stripped of surrounding whitespace (a key read from a file or a Secret
+    often ends with a newline or CR), None when that leaves nothing. Pure.
+
+    Raises:
+        ValueError: what is left holds whitespace, a control character or a non-ASCII
+            character, which no HTTP header can carry (and no server key has: see
+            `spur.cluster.auth.parse_keys`). The message names `source` (a flag or a
+            variable), never the key.
+    """
+    key = (value or "").strip()
+    if not key:
+        return None
+    if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise ValueError(
+            f"{source} holds whitespace, a control character or a non-ASCII character "
+            "inside the key: give the key alone, on one line"
+        )
+    return key
+
+
+def client_api_key(
+    admin: bool = False, given: str | None = None, flag: str = "--api-key"
+) -> str | None:
+    """The key spur's own clients (`spur bench serve`, `spur config diff`, `spur top`)
+    send: `given` (the value of the command's `flag`) when not empty, else from the
+    environment: `SPUR_ADMIN_KEY` for /admin/* calls (falling back to `SPUR_API_KEY`),
+    else `SPUR_API_KEY`. Stripped and checked by `checked_client_key` (ValueError)."""
+    if given and given.strip():
+        return checked_client_key(given, flag)
+    if admin and os.environ.get("SPUR_ADMIN_KEY", "").strip():
+        return checked_client_key(os.environ["SPUR_ADMIN_KEY"], "SPUR_ADMIN_KEY")
+    return checked_client_key(os.environ.get("SPUR_API_KEY"), "SPUR_API_KEY")

@@ -693,7 +693,9 @@ class AuthConfig(_Section):
         default_factory=lambda: ["/health", "/health/live", "/metrics"]
     )
     """Paths that never need a key (exact match, or a prefix when the entry ends with
-    "/"), for probes and scrapers. Every other path needs one once keys exist."""
+    "/"), for probes and scrapers. Every other path needs one once keys exist. Must
+    open /health: `spur serve` polls it without a key before it announces the server,
+    as load balancers do."""
     default_max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
     """Generation requests one key may have in flight at once, across every ingress
     replica, when its entry sets no `max_concurrent_requests`; beyond it the API
@@ -702,6 +704,19 @@ class AuthConfig(_Section):
     """Prompt plus completion tokens one key may use in any 60-second window, across
     every ingress replica, when its entry sets no `tokens_per_minute`; beyond it the
     API answers 429 with Retry-After. Null: unlimited."""
+
+    @field_validator("open_paths")
+    @classmethod
+    def _health_is_open(cls, paths: list[str]) -> list[str]:
+        # The readiness poll of `spur serve` (cluster/server.wait_ready) sends no key (the
+        # CLI keeps none, only the server's digests): with /health closed it would never
+        # announce the server. The same rule as spur.cluster.auth.is_open_path.
+        if not any(p == "/health" or (p.endswith("/") and "/health".startswith(p)) for p in paths):
+            raise ValueError(
+                "must include /health, which `spur serve` (before it says it is serving) and "
+                "load balancers poll without a key: add /health to the list"
+            )
+        return paths
 
 
 class RequestsConfig(_Section):

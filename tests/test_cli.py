@@ -202,3 +202,88 @@ def test_speculation_on_a_hybrid_model_is_refused_before_ray_starts(tmp_path):
     refuse_speculation_on_state_models(lanes[:1])  # no speculation: nothing to refuse
     with pytest.raises(ValueError, match="lane 'drafting': speculative decoding"):
         refuse_speculation_on_state_models(lanes)
+
+
+SECRET = "sk-ops-SECRET-0123456789"
+"""A key the client commands below are given; it must never reach their output."""
+
+
+def run_env(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`spur ARGS` with `env` over this environment (no SPUR_* key variables of ours)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SPUR_API_KEY", "SPUR_ADM"))}
+    return subprocess.run(
+        [*SPUR, *args], capture_output=True, text=True, timeout=120, env={**base, **env}
+    )
+
+
+def test_client_commands_strip_keys_and_never_print_them():
+    """From a review of auth: a key read with its file's newline (a Secret, `$(cat key;
+    echo)`, CRLF) made http.client refuse the header with an error quoting the key,
+    which `config diff` and `bench serve` printed and `top` raised as a traceback. Keys
+    are stripped now; one that still holds a control character inside is refused with
+    exit 2, naming the flag or variable, not the key. Port 9 refuses connections."""
+    url = "http://127.0.0.1:9"
+    diff = ("config", "diff", "local", "--url", url)
+    bench = ("bench", "serve", "--url", url, "--requests", "1", "--concurrency", "1")
+    top = ("top", "--url", url, "--once")
+    for env, args in (
+        ({"SPUR_ADMIN_KEY": SECRET + "\n"}, diff),
+        ({}, (*diff, "--api-key", SECRET + "\r")),
+        ({"SPUR_API_KEY": SECRET + "\r\n"}, bench),
+        ({}, (*bench, "--api-key", SECRET + "\n", "--admin-key", f" {SECRET} ")),
+        ({"SPUR_ADMIN_KEY": SECRET + "\n"}, top),
+        ({}, (*top, "--admin-key", SECRET + "\r")),
+    ):  # stripped: the connection is what fails, in one line
+        res = run_env(env, *args)
+        assert res.returncode in (1, 2) and "Traceback" not in res.stderr, res.stderr
+        assert "SECRET" not in res.stderr + res.stdout, res.stderr
+        assert "Connection refused" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    for env, args, source in (
+        ({"SPUR_ADMIN_KEY": "sk-ops-SECRET\n0123456789"}, diff, "SPUR_ADMIN_KEY"),
+        ({}, (*diff, "--api-key", "sk-ops-SECRET\x070123456789"), "--api-key"),
+        ({"SPUR_API_KEY": "sk-ops-SECRET 0123456789"}, bench, "SPUR_API_KEY"),
+        ({}, (*bench, "--admin-key", "sk-ops-SECRET\r0123456789"), "--admin-key"),
+        ({"SPUR_ADMIN_KEY": "sk-ops-SECRET\n0123456789"}, top, "SPUR_ADMIN_KEY"),
+        ({}, (*top, "--admin-key", "sk-ops-SECRET\t0123456789"), "--admin-key"),
+    ):  # refused before any request, exit 2
+        res = run_env(env, *args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert f"spur: error: {source} holds whitespace, a control character" in res.stderr
+        assert "SECRET" not in res.stderr + res.stdout, res.stderr
+
+
+def test_require_keys_without_keys_is_refused_before_ray_starts(tmp_path):
+    """From a review of auth: the rule ran only in the ingress, after Ray and the
+    engines had started: pages of Ray tracebacks and exit 1."""
+    from spur.cluster.fake_cluster import ray_test_env
+
+    cfg = tmp_path / "closed.yaml"
+    cfg.write_text("lanes:\n  - name: chat\nserver:\n  auth: {require_keys: true}\n")
+    env = {k: v for k, v in ray_test_env(tmp_path).items() if k != "SPUR_API_KEYS"}
+    res = subprocess.run(
+        [*SPUR, "serve", str(cfg)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("spur: error: server.auth.require_keys is on but no API keys")
+    assert res.stderr.count("\n") == 1 and not list(tmp_path.glob("ray*")), res.stderr
+
+
+def test_serve_with_keys_fails_closed_wherever_the_ingress_runs(tmp_path, monkeypatch):
+    """From a review of auth: with --address the ingress runs in a worker of the joined
+    cluster and reads the keys from that cluster's environment, not the CLI's. Keys
+    found by the CLI must turn require_keys on in the deployed config, so that an
+    ingress without them refuses to start instead of serving /admin/* open."""
+    from spur.cluster import cli, server
+
+    deployed = []
+    monkeypatch.setattr(server, "run_server", lambda cfg, announce: deployed.append(cfg) or 0)
+    cfg = tmp_path / "spur.yaml"
+    cfg.write_text("lanes:\n  - name: chat\n")
+    args = cli.build_parser().parse_args(["serve", str(cfg), "--address", "127.0.0.1:6379"])
+    monkeypatch.delenv("SPUR_API_KEYS", raising=False)
+    assert cli.cmd_serve(args) == 0
+    assert not deployed[-1].server.auth.require_keys  # no keys: open, as before
+    monkeypatch.setenv("SPUR_API_KEYS", f"[{SECRET}]")
+    assert cli.cmd_serve(args) == 0
+    assert deployed[-1].server.auth.require_keys
+    assert deployed[-1].server.ray_address == "127.0.0.1:6379"

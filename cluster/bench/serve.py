@@ -322,7 +322,12 @@ def run(
     """With `baseline_url` the "offline" arm is that server (its numbers are under
     "offline" and the ratios are url over baseline_url). `api_key` / `admin_key`:
     sent as Bearer keys on /v1/* and /admin/* (a server with API keys; see
-    server.auth)."""
+    server.auth), stripped; ValueError (naming the argument, never the key) when one
+    holds whitespace or a control character inside."""
+    from spur.configs.env import checked_client_key
+
+    api_key = checked_client_key(api_key, "api_key")
+    admin_key = checked_client_key(admin_key, "admin_key")
     KEYS.update(api=api_key, admin=admin_key or api_key)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")

@@ -201,6 +201,137 @@ def test_middleware_answers_401_before_the_route_and_passes_the_principal() -> N
         install_guard(None)
 
 
+def test_the_guard_judges_the_path_the_router_matches_under_a_root_path() -> None:
+    """From a review of auth: under Serve, scope["path"] carries the root_path (Serve's
+    http_options.root_path, a route_prefix other than "/"), which Starlette's router
+    strips. The guard judged the raw path: with root_path "/spur" an API key reached
+    /admin/* ("/spur/admin/config" is no admin path) and /health needed a key."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    app = FastAPI()
+    app.add_middleware(AuthMiddleware)
+
+    @app.get("/admin/config")
+    async def admin_config() -> dict[str, bool]:
+        return {"config": True}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    alice = {"Authorization": "Bearer sk-alice-0123456789"}
+    ops = {"Authorization": "Bearer sk-ops-0123456789"}
+    install_guard(guard())
+    try:
+        for root in ("", "/spur", "/a/b"):
+            client = TestClient(app, root_path=root)
+            refused = client.get(f"{root}/admin/config", headers=alice)
+            assert refused.status_code == 403, (root, refused.text)
+            assert refused.json()["error"]["code"] == "admin_key_required"
+            assert client.get(f"{root}/admin/config", headers=ops).status_code == 200
+            assert client.get(f"{root}/admin/config").status_code == 401
+            assert client.get(f"{root}/health").status_code == 200, root
+    finally:
+        install_guard(None)
+
+
+def test_open_paths_must_open_health() -> None:
+    """From a review of auth: `spur serve` polls /health without a key before it
+    announces the server; with /health closed it never did (a "not ready yet" every
+    30 s instead). The config refuses it, naming the fix."""
+    from spur.configs.loader import ConfigError, parse_config
+
+    def auth(open_paths: list[str]) -> dict[str, Any]:
+        return {"lanes": [{"name": "chat"}], "server": {"auth": {"open_paths": open_paths}}}
+
+    for paths in (["/health/live"], [], ["/metrics", "/healthz"], ["/health/"]):
+        with pytest.raises(ConfigError) as info:
+            parse_config(auth(paths))
+        assert "server.auth.open_paths: must include /health" in str(info.value)
+        assert "add /health to the list" in str(info.value)
+    for paths in (["/health"], ["/"], ["/metrics", "/health", "/v1/models"]):
+        assert parse_config(auth(paths)).server.auth.open_paths == paths
+
+
+def test_client_keys_are_stripped_and_never_quoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spur's clients read keys from flags and SPUR_API_KEY / SPUR_ADMIN_KEY, often with
+    a file's newline; http.client refuses such a header with an error quoting it."""
+    from spur.configs.env import checked_client_key, client_api_key
+
+    monkeypatch.delenv("SPUR_API_KEY", raising=False)
+    monkeypatch.delenv("SPUR_ADMIN_KEY", raising=False)
+    assert client_api_key() is None and client_api_key(admin=True) is None
+    monkeypatch.setenv("SPUR_API_KEY", "sk-api-0123456789\r\n")
+    assert client_api_key() == client_api_key(admin=True) == "sk-api-0123456789"
+    monkeypatch.setenv("SPUR_ADMIN_KEY", " sk-ops-0123456789\n")
+    assert client_api_key(admin=True) == "sk-ops-0123456789"
+    assert client_api_key(given="sk-flag-0123456789\n") == "sk-flag-0123456789"
+    monkeypatch.setenv("SPUR_ADMIN_KEY", "\n")  # nothing left: the API key
+    assert client_api_key(admin=True) == "sk-api-0123456789"
+    assert checked_client_key(" \r\n", "--api-key") is None
+    for bad in ("sk-ops\n0123456789", "sk-ops 0123456789", "sk-ops\x000123", "sk-clé-0123"):
+        with pytest.raises(ValueError) as info:
+            checked_client_key(bad, "--api-key")
+        assert str(info.value).startswith("--api-key holds whitespace, a control character")
+        assert "sk-" not in str(info.value)
+    monkeypatch.setenv("SPUR_ADMIN_KEY", "sk-ops\x070123456789")
+    with pytest.raises(ValueError, match=r"^SPUR_ADMIN_KEY holds"):
+        client_api_key(admin=True)
+
+
+def test_a_keyless_answer_on_admin_is_caught_after_start() -> None:
+    """`spur serve` with require_keys checks, once /health is ready, that /admin/config
+    refuses a request without a key (an ingress ignoring require_keys, older code on a
+    joined cluster's nodes, must not be announced)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from spur.cluster.server import serves_without_a_key
+
+    status = {"code": 401}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status["code"] if self.path == "/admin/config" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert not serves_without_a_key(url)
+        status["code"] = 200
+        assert serves_without_a_key(url)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert not serves_without_a_key(url)  # nobody answers: cannot tell
+
+
+def test_serve_never_announces_an_api_open_despite_require_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ingress that ignored require_keys and found no keys (older spur code on a
+    joined cluster's nodes) answers /admin/config without one: `spur serve` stops,
+    exit 1, instead of announcing it."""
+    from spur.cluster import server
+    from spur.configs.loader import parse_config
+
+    calls: list[str] = []
+    monkeypatch.setattr(server, "start", lambda cfg, on_ray_started=None: "http://spur")
+    monkeypatch.setattr(server, "wait_ready", lambda url, stop_event: True)
+    monkeypatch.setattr(server, "serves_without_a_key", lambda url: True)
+    monkeypatch.setattr(server, "stop", lambda cfg, wait=True: calls.append("stopped"))
+    closed = parse_config({"lanes": [{"name": "chat"}], "server": {"auth": {"require_keys": True}}})
+    assert server.run_server(closed, announce=lambda url: calls.append("announced")) == 1
+    assert calls == ["stopped"]
+
+
 def test_a_refused_key_is_counted_with_its_error_code() -> None:
     """The counting middleware (outermost, as in the ingress) reads the answer's error
     code from a header it removes: auth refusals carry theirs too (they were counted
