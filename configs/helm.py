@@ -22,10 +22,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from spur.configs.loader import PRESETS, preset_path
-from spur.configs.schema import ALL_MODELS, SpurConfig, is_size_field
+from spur.configs.schema import (
+    _RAY_BUILTIN_RESOURCES,
+    ALL_MODELS,
+    CONFIG_VERSION,
+    Resources,
+    SpurConfig,
+    is_size_field,
+)
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "helm" / "spur"
 """The chart in a checkout (an editable install points here too)."""
@@ -75,6 +82,46 @@ def _accept_size_strings(defs: dict[str, Any]) -> None:
                 prop.update(keep, anyOf=branches)
 
 
+def _resource_fields() -> list[tuple[str, str]]:
+    """(model name, field name) of every `Resources` field (Ray custom resources)."""
+    marks = get_args(Resources)[1:]
+    return [
+        (model.__name__, name)
+        for model in ALL_MODELS
+        for name, field in model.model_fields.items()
+        if any(mark in marks for mark in field.metadata)
+    ]
+
+
+def _validator_rules(defs: dict[str, Any]) -> None:
+    """The rules of the config's validators that JSON Schema can state, so that
+    `helm install` refuses what the application would refuse only once the cluster is
+    up. Mutates `defs`. What stays for the loader: cross-field rules (kv_usage_low below
+    kv_usage_high, a spare named like a lane: the chart's templates check that one)."""
+    defs["SpurConfig"]["properties"]["version"]["const"] = CONFIG_VERSION
+    lane = defs["LaneConfig"]["properties"]
+    lane["served_model_names"]["uniqueItems"] = True
+    # A spare runs on one device. Draft 7 ignores keywords beside "$ref": use allOf.
+    engine = defs["SpareConfig"]["properties"]["engine"]
+    single = {"properties": {"tensor_parallel_size": {"const": 1}}}
+    engine["allOf"] = [{"$ref": engine.pop("$ref")}, {"properties": {"parallelism": single}}]
+    # Ray sets its built-in resources from num_cpus / num_gpus (the value is the
+    # message: Helm reports a failed `const` with its path and value, a failed
+    # propertyNames `not` with neither), and refuses a fractional amount above 1.
+    builtin = {
+        name: {
+            "const": f"remove {name}: a built-in Ray resource, which spur derives from "
+            "engine.parallelism; use a custom name such as lane-chat"
+        }
+        for name in _RAY_BUILTIN_RESOURCES
+    }
+    for model, field in _resource_fields():
+        resources = defs[model]["properties"][field]
+        resources["properties"] = dict(builtin)
+        for amount in resources["patternProperties"].values():
+            amount["anyOf"] = [{"maximum": 1}, {"multipleOf": 1}]
+
+
 def _cross_field_rules(defs: dict[str, Any]) -> None:
     """The cross-field rules JSON Schema can state. Mutates `defs`."""
     # Mutually exclusive replicas / autoscaling. Helm's validator reports a failed `not`
@@ -99,6 +146,7 @@ def config_schema() -> dict[str, Any]:
     defs["SpurConfig"] = schema
     _fix_bounds(defs)
     _accept_size_strings(defs)
+    _validator_rules(defs)
     _cross_field_rules(defs)
     return defs
 
@@ -114,11 +162,16 @@ def _object(description: str, properties: dict[str, Any] | None = None) -> dict[
 
 
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+
+REMOVED_SERVE_SETTINGS = ("deploymentUnhealthySecondThreshold", "serviceUnhealthySecondThreshold")
+"""`serve.*` values of earlier charts that KubeRay >= 1.1 ignores: refused by the schema."""
 _LIST = {"type": "array"}
 
 _STORAGE = _object(
     "Where the model folders come from, mounted read-only at mountPath in every pod of "
-    "the group (the head too: the API tokenizes).",
+    "the group (the chart-level one in the head pod too; the API copies a tokenizer it "
+    "cannot read there from the lane's engines): a pvc must let pods on several nodes "
+    "mount it (ReadOnlyMany or ReadWriteMany).",
     {
         "type": {"enum": ["none", "pvc", "hostPath"]},
         "claimName": {"type": "string"},
@@ -180,8 +233,17 @@ def chart_properties() -> dict[str, Any]:
             "RayService settings.",
             {
                 "autoscalingPolicy": {"type": "string"},
-                "deploymentUnhealthySecondThreshold": {"type": "integer", "minimum": 1},
-                "serviceUnhealthySecondThreshold": {"type": "integer", "minimum": 1},
+                # Removed settings: KubeRay 1.1 and later ignore these RayService fields
+                # (kuberay#1656). Refused with a message rather than silently dropped; the
+                # value is the message (see _cross_field_rules).
+                **{
+                    name: {
+                        "description": "Removed: KubeRay >= 1.1 ignores it.",
+                        "const": f"remove serve.{name}: KubeRay 1.1 and later ignore it and "
+                        "never recreate the cluster for a slow or unhealthy application",
+                    }
+                    for name in REMOVED_SERVE_SETTINGS
+                },
             },
         ),
         "rayAuth": _object(

@@ -15,6 +15,7 @@ import copy
 import functools
 import json
 import math
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -254,7 +255,9 @@ def check_groups(rayservice: dict[str, Any], cfg: SpurConfig) -> None:
         assert "readinessProbe" not in container and "livenessProbe" not in container
         # KubeRay's injected readiness probe finds the Serve proxy by the port's name
         assert {"name": "serve", "containerPort": cfg.server.port} in container["ports"]
-        assert {"name": "RAY_SERVE_PROXY_USE_GRPC", "value": "1"} in container["env"]
+        # the proxy's hop follows server.data_plane (the image's ENV says 1)
+        grpc = "1" if cfg.server.data_plane == "grpc" else "0"
+        assert {"name": "RAY_SERVE_PROXY_USE_GRPC", "value": grpc} in container["env"]
         options = deployments[f"engine-{source.name}"]
         assert options["max_ongoing_requests"] == source.max_ongoing_requests
         assert options["max_queued_requests"] == source.max_queued_requests
@@ -659,6 +662,110 @@ BAD_VALUES = [
         ["spurConfigYaml is not a YAML mapping"],
         id="config-text-not-yaml",
     ),
+    # Names spur's schema accepts (local mode) but Kubernetes does not: the name becomes
+    # the worker group's (KubeRay's pod names, the ray.io/group label) and the PDB's.
+    pytest.param(
+        {"spur": {"lanes": [{"name": "long_ctx"}]}},
+        ["spur.lanes[0].name", '"long_ctx" is not a DNS-1123 label', 'for example "long-ctx"'],
+        id="lane-name-underscore",
+    ),
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat-"}]}},
+        ["spur.lanes[0].name", '"chat-" is not a DNS-1123 label', 'for example "chat"'],
+        id="lane-name-trailing-dash",
+    ),
+    pytest.param(
+        {
+            "spur": {
+                "lanes": [{"name": "chat"}],
+                "spare": {"name": "spare_1", "serves_lanes": ["chat"]},
+            }
+        },
+        ["spur.spare.name", '"spare_1" is not a DNS-1123 label', 'for example "spare-1"'],
+        id="spare-name-underscore",
+    ),
+    pytest.param(
+        {"spurConfigYaml": "lanes: [{name: Chat}]"},  # text: not checked by the schema
+        ["spur.lanes[0].name", '"Chat" is not a DNS-1123 label', 'for example "chat"'],
+        id="config-text-lane-name-uppercase",
+    ),
+    # A replica's CPUs must fit in one pod of its group (spur.cluster.app reserves
+    # num_threads for TP=1, 0.5 + 1 per cuda rank for TP>1), as its GPUs must.
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat", "engine": {"runtime": {"num_threads": 16}}}]}},
+        [
+            "spur.lanes[0]: one engine replica reserves 16 CPUs",
+            "worker group chat offers 8",
+            "groups.chat.resources.limits.cpu",
+            "lower engine.runtime.num_threads",
+        ],
+        id="cpu-num-threads-over-limit",
+    ),
+    pytest.param(
+        {
+            "spur": {
+                "lanes": [
+                    {
+                        "name": "chat",
+                        "engine": {"parallelism": {"device": "cuda", "tensor_parallel_size": 8}},
+                    }
+                ]
+            },
+            "groups": {"chat": {"resources": {"limits": {"cpu": "8", "memory": "64Gi"}}}},
+        },
+        [
+            "reserves 8.5 CPUs",
+            "tensor_parallel_size 8 on cuda",
+            "offers 8",
+            "lower engine.parallelism.tensor_parallel_size",
+        ],
+        id="cpu-tensor-parallel-over-limit",
+    ),
+    pytest.param(
+        {
+            "spur": {"lanes": [{"name": "chat", "engine": {"runtime": {"num_threads": 4}}}]},
+            "workers": {"rayStartParams": {"num-cpus": "2"}},
+        },
+        ["reserves 4 CPUs", "offers 2 (its rayStartParams num-cpus)"],
+        id="cpu-num-cpus-param",
+    ),
+    pytest.param(
+        {
+            "spur": {"lanes": [{"name": "chat", "engine": {"runtime": {"num_threads": 3}}}]},
+            "groups": {"chat": {"resources": {"limits": {"cpu": "1500m"}}}},
+        },
+        ["reserves 3 CPUs", "offers 2 (its CPU limit 1500m)"],
+        id="cpu-millicores",
+    ),
+    pytest.param(
+        {
+            "spur": {
+                "lanes": [{"name": "chat"}],
+                "spare": {"name": "chat", "serves_lanes": ["chat"]},
+            }
+        },
+        ["spur.spare.name", '"chat" is also a lane\'s name', "give the spare its own name"],
+        id="spare-named-like-a-lane",
+    ),
+    pytest.param(
+        {"spur": {"lanes": [{"name": "chat", "resources": {"GPU": 1}}]}},
+        ["/spur/lanes/0/resources/GPU", "remove GPU: a built-in Ray resource"],
+        id="builtin-ray-resource",
+    ),
+    pytest.param(
+        {"serve": {"deploymentUnhealthySecondThreshold": 900}},
+        [
+            "/serve/deploymentUnhealthySecondThreshold",
+            "remove serve.deploymentUnhealthySecondThreshold",
+            "KubeRay 1.1 and later ignore it",
+        ],
+        id="removed-deployment-threshold",
+    ),
+    pytest.param(
+        {"serve": {"serviceUnhealthySecondThreshold": 900}},
+        ["/serve/serviceUnhealthySecondThreshold", "remove serve.serviceUnhealthySecondThreshold"],
+        id="removed-service-threshold",
+    ),
 ]
 
 
@@ -746,3 +853,153 @@ def test_the_api_port_cannot_be_one_of_rays_in_the_head_pod(render: Any, port: i
     with pytest.raises(Exception, match=f"spur.server.port {port} is one of Ray's ports"):
         render({"spur": tree})
     render({"spur": {**tree, "server": {"port": 8001}}})
+
+
+def test_the_head_mounts_no_model_storage_when_the_chart_sets_none(render: Any) -> None:
+    head = the(render(), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert [v["name"] for v in head["template"]["spec"]["volumes"]] == ["shm"]
+
+
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+"""k8s.io/apimachinery's IsDNS1123Label / IsDNS1123Subdomain (63 / 253 characters)."""
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rendered_names_are_kubernetes_names(chart: Any, preset: str) -> None:
+    """kubernetes-validate does not check names: check every metadata.name, the worker
+    groups' names (KubeRay's pod names and ray.io/group label) and volume names."""
+    docs = render_with(chart, example_values(preset))
+    for manifests in docs.values():
+        for doc in manifests:
+            name = doc["metadata"]["name"]
+            assert DNS1123_SUBDOMAIN.match(name) and len(name) <= 253, name
+    cluster = the(docs, "RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]]
+    for group in cluster["workerGroupSpecs"]:
+        assert DNS1123_LABEL.match(group["groupName"]) and len(group["groupName"]) <= 63
+        pods.append(group["template"]["spec"])
+    for pod in pods:
+        for volume in pod["volumes"]:
+            assert DNS1123_LABEL.match(volume["name"]), volume
+
+
+def test_a_replica_that_just_fits_its_pod_renders(render: Any) -> None:
+    """The CPU check's boundaries: equal is enough, a CPU limit counts rounded up."""
+    threads = {"name": "chat", "engine": {"runtime": {"num_threads": 8}}}
+    render({"spur": {"lanes": [threads]}})  # workers.resources.limits.cpu is 8
+    small = {"resources": {"limits": {"cpu": "2500m"}}}
+    threads["engine"]["runtime"]["num_threads"] = 3
+    render({"spur": {"lanes": [threads]}, "groups": {"chat": small}})
+    tp = {"name": "chat", "engine": {"parallelism": {"device": "cpu", "tensor_parallel_size": 4}}}
+    render({"spur": {"lanes": [tp]}, "groups": {"chat": small}})  # 0.5 + 4 * 0.5 = 2.5
+
+
+SCHEMA_REFUSES = [
+    pytest.param({"lanes": [{"name": "chat", "served_model_names": ["x", "x"]}]},
+                 "$.spur.lanes[0].served_model_names", id="served-names-twice"),
+    pytest.param({"version": 2, "lanes": [{"name": "chat"}]}, "$.spur.version", id="version"),
+    pytest.param({"lanes": [{"name": "chat"}],
+                  "spare": {"serves_lanes": ["chat"],
+                            "engine": {"parallelism": {"tensor_parallel_size": 2}}}},
+                 "$.spur.spare.engine.parallelism.tensor_parallel_size", id="spare-tp"),
+    pytest.param({"lanes": [{"name": "chat", "resources": {"CPU": 1}}]},
+                 "$.spur.lanes[0].resources.CPU", id="builtin-resource"),
+    pytest.param({"lanes": [{"name": "chat"}], "server": {"ingress_resources": {"GPU": 1}}},
+                 "$.spur.server.ingress_resources.GPU", id="builtin-ingress-resource"),
+    pytest.param({"lanes": [{"name": "chat"}],
+                  "spare": {"serves_lanes": ["chat"], "resources": {"spare": 1.5}}},
+                 "$.spur.spare.resources.spare", id="fractional-resource-above-1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tree", "where"), SCHEMA_REFUSES)
+@pytest.mark.parametrize("validator", [jsonschema.Draft7Validator, jsonschema.Draft202012Validator])
+def test_values_schema_refuses_what_the_loader_refuses(
+    chart: Any, validator: Any, tree: dict[str, Any], where: str
+) -> None:
+    """Rules of the config's validators that JSON Schema can state fail `helm install`,
+    not the application once the cluster is up."""
+    from spur.configs.loader import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_config(tree)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    errors = list(validator(schema).iter_errors({"spur": tree}))
+    assert len(errors) == 1, [e.message for e in errors]
+    # the path of the refused value (inside an anyOf, such as spare's `| null`, among
+    # the branches' errors)
+    leaves, todo = set(), list(errors)
+    while todo:
+        error = todo.pop()
+        todo += error.context or []
+        leaves.add(error.json_path)
+    assert where in leaves, leaves
+    with pytest.raises(helm.HelmError, match="values don't meet the specifications") as failure:
+        chart.render({"spur": tree}, name="spur", namespace="llm")
+    at = re.sub(r"\[(\d+)\]", r".\1", where).removeprefix("$").replace(".", "/")
+    assert f"at '{at}'" in str(failure.value)
+
+
+def test_values_schema_keeps_what_the_loader_accepts() -> None:
+    """The added rules refuse nothing the loader accepts (neighbours of each case)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    tree = {
+        "version": 1,
+        "lanes": [{"name": "chat", "served_model_names": ["x", "y"], "resources": {"cpu": 1}}],
+        "spare": {
+            "serves_lanes": ["chat"],
+            "resources": {"spare": 0.5, "pool": 2.0},
+            "engine": {"parallelism": {"tensor_parallel_size": 1}},
+        },
+        "server": {"ingress_resources": {"head": 1}},
+    }
+    parse_config(tree)
+    for validator in (jsonschema.Draft7Validator, jsonschema.Draft202012Validator):
+        validator(schema).validate({"spur": tree})
+
+
+def test_removed_kuberay_thresholds_are_not_rendered(render: Any) -> None:
+    """KubeRay >= 1.1 ignores them: the RayService does not pretend otherwise."""
+    spec = the(render(), "RayService")["spec"]
+    assert not [key for key in spec if "Unhealthy" in key]
+
+
+@pytest.mark.parametrize("target", [32, None])
+def test_serves_default_policy_gets_the_lanes_target(render: Any, target: int | None) -> None:
+    """With serve.autoscalingPolicy "" Serve's request-count policy scales the lane: it
+    must aim for the lane's autoscaling.target_ongoing_requests (its default included),
+    not Serve's own default."""
+    from ray.serve.config import AutoscalingConfig
+
+    auto: dict[str, Any] = {"max_replicas": 4}
+    if target is not None:
+        auto["target_ongoing_requests"] = target
+    tree = {"lanes": [{"name": "chat", "autoscaling": auto}]}
+    docs = render({"spur": tree, "serve": {"autoscalingPolicy": ""}})
+    validate_everything(docs)
+    options = serve_config(the(docs, "RayService"))["applications"][0]["deployments"][1]
+    lane = parse_config(tree).lanes[0]
+    assert lane.autoscaling is not None
+    want = lane.autoscaling.target_ongoing_requests
+    assert "policy" not in options["autoscaling_config"]
+    assert AutoscalingConfig(**options["autoscaling_config"]).target_ongoing_requests == want
+
+
+@pytest.mark.parametrize(("plane", "flag"), [("grpc", "1"), ("object_ref", "0"), (None, "1")])
+@pytest.mark.parametrize("as_text", [False, True])
+def test_the_proxy_hop_follows_the_data_plane(
+    render: Any, plane: str | None, flag: str, as_text: bool
+) -> None:
+    """RAY_SERVE_PROXY_USE_GRPC in every pod follows server.data_plane, as `spur serve`
+    sets it; always set, since the image's ENV says 1."""
+    tree: dict[str, Any] = {"lanes": [{"name": "chat"}, {"name": "code"}]}
+    if plane is not None:
+        tree["server"] = {"data_plane": plane}
+    values = {"spurConfigYaml": yaml.safe_dump(tree)} if as_text else {"spur": tree}
+    cluster = the(render(values), "RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        (container,) = pod["template"]["spec"]["containers"]
+        env = [e for e in container["env"] if e["name"] == "RAY_SERVE_PROXY_USE_GRPC"]
+        assert env == [{"name": "RAY_SERVE_PROXY_USE_GRPC", "value": flag}]

@@ -55,11 +55,13 @@ One worker group per lane plus one for the spare, derived from the config with
 configs/schema.py's defaults (tests/helm check that they agree):
   name, kind (lane | spare), deployment, device, tp, gpus (per pod), replicas,
   minReplicas, maxReplicas, autoscaling (bool), autoscalingSpec (the lane's autoscaling
-  tree), drain (drain_timeout_s), drainSeconds
-  (rounded up), rayResources, maxOngoing, maxQueued, override (groups.<name>)
-Fails, naming the fix, on what JSON Schema cannot check: duplicate lane names, a spare
-serving an unknown lane, a group with fewer GPUs than tensor_parallel_size, autoscaling
-bounds the wrong way round.
+  tree), drain (drain_timeout_s), drainSeconds (rounded up), rayResources, maxOngoing,
+  maxQueued, override (groups.<name>), storage (modelStorage with the group's
+  overrides)
+Fails, naming the fix, on what JSON Schema cannot check: a name that is not a DNS-1123
+label, duplicate lane names, a spare named like a lane or serving an unknown lane, a
+group with fewer GPUs than tensor_parallel_size or fewer CPUs than one replica
+reserves, autoscaling bounds the wrong way round.
 */}}
 {{- define "spur.groups" -}}
 {{- $cfg := include "spur.configData" . | fromYaml -}}
@@ -67,20 +69,26 @@ bounds the wrong way round.
 {{- $laneNames := list -}}
 {{- $sources := list -}}
 {{- range $i, $lane := $cfg.lanes -}}
+{{- $path := printf "spur.lanes[%d]" $i -}}
+{{- include "spur.checkName" (dict "name" $lane.name "path" $path "kind" "lane") -}}
 {{- if has $lane.name $laneNames -}}
-{{- fail (printf "spur.lanes[%d].name: %q is already the name of another lane; lane names must be unique" $i $lane.name) -}}
+{{- fail (printf "%s.name: %q is already the name of another lane; lane names must be unique" $path $lane.name) -}}
 {{- end -}}
 {{- $laneNames = append $laneNames $lane.name -}}
-{{- $sources = append $sources (dict "kind" "lane" "path" (printf "spur.lanes[%d]" $i) "spec" $lane) -}}
+{{- $sources = append $sources (dict "kind" "lane" "path" $path "spec" $lane) -}}
 {{- end -}}
 {{- with $cfg.spare -}}
-{{- $spare := . -}}
+{{- $spare := merge (dict "name" (.name | default "spare")) . -}}
+{{- include "spur.checkName" (dict "name" $spare.name "path" "spur.spare" "kind" "spare") -}}
+{{- if has $spare.name $laneNames -}}
+{{- fail (printf "spur.spare.name: %q is also a lane's name; give the spare its own name (it names its own worker group, Serve deployment and PodDisruptionBudget)" $spare.name) -}}
+{{- end -}}
 {{- range $j, $served := ($spare.serves_lanes | default list) -}}
 {{- if not (has $served $laneNames) -}}
 {{- fail (printf "spur.spare.serves_lanes[%d]: no lane is named %q (lanes: %s): name one of the lanes" $j $served (join ", " $laneNames)) -}}
 {{- end -}}
 {{- end -}}
-{{- $sources = append $sources (dict "kind" "spare" "path" "spur.spare" "spec" (merge (dict "name" ($spare.name | default "spare")) $spare)) -}}
+{{- $sources = append $sources (dict "kind" "spare" "path" "spur.spare" "spec" $spare) -}}
 {{- end -}}
 {{- range $sources -}}
 {{- $spec := .spec -}}
@@ -119,6 +127,7 @@ bounds the wrong way round.
 {{- if lt $gpus $need -}}
 {{- fail (printf "groups.%s.gpus is %d but %s.engine.parallelism.tensor_parallel_size is %d on cuda: each pod holds one whole replica, so give the group at least %d GPUs (or lower tensor_parallel_size)" $spec.name $gpus $path $tp $tp) -}}
 {{- end -}}
+{{- include "spur.checkCpus" (dict "spec" $spec "path" $path "tp" $tp "device" $device "override" $override "workers" $.Values.workers) -}}
 {{- $drain := 30.0 -}}
 {{- if and (hasKey $spec "drain_timeout_s") (not (kindIs "invalid" $spec.drain_timeout_s)) -}}
 {{- $drain = float64 $spec.drain_timeout_s -}}
@@ -127,7 +136,9 @@ bounds the wrong way round.
 {{- range $key, $amount := ($spec.resources | default dict) -}}
 {{- $_ := set $rayResources $key (toString $amount) -}}
 {{- end -}}
-{{- $groups = append $groups (dict "name" $spec.name "kind" .kind "deployment" (printf "engine-%s" $spec.name) "device" $device "tp" $tp "gpus" $gpus "replicas" $replicas "minReplicas" $min "maxReplicas" $max "autoscaling" $autoscaling "autoscalingSpec" ($spec.autoscaling | default dict) "drain" $drain "drainSeconds" (int (ceil $drain)) "rayResources" $rayResources "maxOngoing" (int ($spec.max_ongoing_requests | default 256)) "maxQueued" (int (ternary $spec.max_queued_requests 512 (hasKey $spec "max_queued_requests"))) "override" $override) -}}
+{{- /* a group's modelStorage overrides the keys it sets, the rest is the chart's */ -}}
+{{- $storage := merge (deepCopy ($override.modelStorage | default dict)) (deepCopy $.Values.modelStorage) -}}
+{{- $groups = append $groups (dict "name" $spec.name "kind" .kind "deployment" (printf "engine-%s" $spec.name) "device" $device "tp" $tp "gpus" $gpus "replicas" $replicas "minReplicas" $min "maxReplicas" $max "autoscaling" $autoscaling "autoscalingSpec" ($spec.autoscaling | default dict) "drain" $drain "drainSeconds" (int (ceil $drain)) "rayResources" $rayResources "maxOngoing" (int ($spec.max_ongoing_requests | default 256)) "maxQueued" (int (ternary $spec.max_queued_requests 512 (hasKey $spec "max_queued_requests"))) "override" $override "storage" $storage) -}}
 {{- end -}}
 {{- $names := list -}}
 {{- range $groups -}}
@@ -142,11 +153,77 @@ bounds the wrong way round.
 {{- end -}}
 
 {{/*
-Environment of every Ray container.
+A lane's or the spare's name, (dict "name" N "path" P "kind" K): it names the worker
+group (KubeRay puts it in pod names and the ray.io/group label), its pods' spur.dev/group
+label and its PodDisruptionBudget, so it must be a DNS-1123 label. spur's own schema is
+looser (it allows '_' and a trailing '-'), which suits local mode.
+*/}}
+{{- define "spur.checkName" -}}
+{{- $name := .name | default "" | toString -}}
+{{- if not $name -}}
+{{- fail (printf "%s has no name: give the %s a name (lowercase letters, digits and '-')" .path .kind) -}}
+{{- end -}}
+{{- if or (gt (len $name) 63) (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" $name)) -}}
+{{- $fixed := regexReplaceAll "[^-a-z0-9]" ($name | lower) "-" | trunc 63 | trimAll "-" -}}
+{{- fail (printf "%s.name: %q is not a DNS-1123 label (at most 63 lowercase letters, digits and '-', starting and ending with a letter or digit): on Kubernetes it names the %s's worker group, its pods and its PodDisruptionBudget; rename it, for example %q (and every reference to it: serves_lanes, groups.<name>)" .path $name .kind $fixed) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+CPUs: one engine replica must fit in one pod of its group, as its GPUs must. What a
+replica reserves is what spur.cluster.app._engine_deployment asks Ray for:
+tensor_parallel_size 1: engine.runtime.num_threads (1 when unset); larger: 0.5 for the
+replica plus, per rank, 1 on cuda and 0.5 otherwise. A pod offers its rayStartParams
+num-cpus, else its CPU limit rounded up (as Ray's autoscaler reads it); with neither,
+nothing is checked here (the autoscaler reports it).
+(dict "spec" S "path" P "tp" N "device" D "override" O "workers" W)
+*/}}
+{{- define "spur.checkCpus" -}}
+{{- $spec := .spec -}}
+{{- $runtime := (($spec.engine | default dict).runtime | default dict) -}}
+{{- $need := 0.0 -}}
+{{- $why := "" -}}
+{{- $lower := "" -}}
+{{- if eq (int .tp) 1 -}}
+{{- $need = float64 ($runtime.num_threads | default 1) -}}
+{{- $why = printf "engine.runtime.num_threads is %v" ($runtime.num_threads | default "unset") -}}
+{{- $lower = "lower engine.runtime.num_threads" -}}
+{{- else -}}
+{{- $need = addf 0.5 (mulf .tp (ternary 1.0 0.5 (eq .device "cuda"))) -}}
+{{- $why = printf "0.5 for the replica plus %v per rank of tensor_parallel_size %d on %s" (ternary 1 0.5 (eq .device "cuda")) (int .tp) .device -}}
+{{- $lower = "lower engine.parallelism.tensor_parallel_size" -}}
+{{- end -}}
+{{- $o := .override -}}
+{{- $params := merge (dict) ($o.rayStartParams | default dict) (.workers.rayStartParams | default dict) -}}
+{{- $limits := (($o.resources | default .workers.resources | default dict).limits | default dict) -}}
+{{- $have := -1.0 -}}
+{{- $from := "" -}}
+{{- if hasKey $params "num-cpus" -}}
+{{- $have = float64 (get $params "num-cpus") -}}
+{{- $from = "its rayStartParams num-cpus" -}}
+{{- else if hasKey $limits "cpu" -}}
+{{- $q := toString $limits.cpu -}}
+{{- if hasSuffix "m" $q -}}
+{{- $have = ceil (divf (float64 (trimSuffix "m" $q)) 1000.0) -}}
+{{- else -}}
+{{- $have = ceil (float64 $q) -}}
+{{- end -}}
+{{- $from = printf "its CPU limit %s" $q -}}
+{{- end -}}
+{{- if and (ge $have 0.0) (gt $need $have) -}}
+{{- fail (printf "%s: one engine replica reserves %v CPUs in Ray (%s), but a pod of worker group %s offers %v (%s), so no pod can hold one: raise groups.%s.resources.limits.cpu (or groups.%s.rayStartParams.num-cpus) to at least %v, or %s" .path $need $why $spec.name $have $from $spec.name $spec.name (ceil $need) $lower) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Environment of every Ray container. RAY_SERVE_PROXY_USE_GRPC follows server.data_plane
+(the proxy's hop to the ingress), as `spur serve` sets it, and is always set: the image
+sets it to 1, so object_ref needs an explicit 0.
 */}}
 {{- define "spur.env" -}}
+{{- $cfg := include "spur.configData" . | fromYaml -}}
 - name: RAY_SERVE_PROXY_USE_GRPC
-  value: "1"
+  value: {{ ternary "1" "0" (eq (($cfg.server | default dict).data_plane | default "grpc") "grpc") | quote }}
 - name: HF_HUB_OFFLINE
   value: "1"
 {{- /* In every pod: an ingress replica reads the keys wherever Ray places it. */ -}}
@@ -163,33 +240,41 @@ Environment of every Ray container.
 {{- end -}}
 
 {{/*
-Volumes of a pod: Ray's object store in memory (/dev/shm: a container's default 64 MiB
-would push it to disk) and the model storage of its group, (dict "storage" S).
+Volumes of a pod, (dict "volumes" L): Ray's object store in memory (/dev/shm: a
+container's default 64 MiB would push it to disk) and the model storages in L, each
+(dict "name" VOLUME "storage" S "owner" VALUES-PATH) with S a modelStorage of type pvc or
+hostPath. Both are mounted read-only: a pvc needs an access mode that lets pods on
+several nodes mount it (ReadOnlyMany or ReadWriteMany), and a hostPath is each node's
+own folder.
 */}}
 {{- define "spur.volumes" -}}
-{{- $s := .storage -}}
 - name: shm
   emptyDir:
     medium: Memory
+{{- range .volumes }}
+{{- $s := .storage }}
+- name: {{ .name }}
 {{- if eq $s.type "pvc" }}
-- name: models
   persistentVolumeClaim:
-    claimName: {{ required "modelStorage.claimName is required with modelStorage.type pvc: name the PersistentVolumeClaim holding the models" $s.claimName }}
+    claimName: {{ required (printf "%s.claimName is required with type pvc: name the PersistentVolumeClaim holding the models" .owner) $s.claimName }}
     readOnly: true
 {{- else if eq $s.type "hostPath" }}
-- name: models
   hostPath:
-    path: {{ required "modelStorage.hostPath is required with modelStorage.type hostPath: give the models' folder on the nodes" $s.hostPath }}
+    path: {{ required (printf "%s.hostPath is required with type hostPath: give the models' folder on the nodes" .owner) $s.hostPath }}
     type: Directory
+{{- end }}
 {{- end }}
 {{- end -}}
 
+{{/*
+Mounts of a pod, (dict "mounts" L): /dev/shm and each (dict "name" VOLUME "mountPath" P).
+*/}}
 {{- define "spur.volumeMounts" -}}
 - name: shm
   mountPath: /dev/shm
-{{- if ne .type "none" }}
-- name: models
-  mountPath: {{ .mountPath | default "/models" }}
+{{- range .mounts }}
+- name: {{ .name }}
+  mountPath: {{ .mountPath }}
   readOnly: true
 {{- end }}
 {{- end -}}
