@@ -110,3 +110,8 @@ def client_api_key(
     if admin and os.environ.get("SPUR_ADMIN_KEY", "").strip():
         return checked_client_key(os.environ["SPUR_ADMIN_KEY"], "SPUR_ADMIN_KEY")
     return checked_client_key(os.environ.get("SPUR_API_KEY"), "SPUR_API_KEY")
+
+
+def cuda_visible_devices() -> str | None:
+    """`CUDA_VISIBLE_DEVICES` of this process (Ray narrows it to an actor's GPUs)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from spur.actors.ports import free_port
 from spur.actors.step import Executor, ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker.worker import Worker, WorkerConfig
+from spur.configs.env import cuda_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,29 @@ class WorkerDied(RuntimeError):
     lost): the engine cannot step again and its replica must be replaced."""
 
 
+def local_cuda_index(gpu_ids: list[Any], visible: str | None) -> int | None:
+    """The index, among the CUDA devices this process sees, of the first GPU Ray gave
+    it (`gpu_ids`, from `ray.get_gpu_ids()`); None when it gave none. Ray narrows
+    `CUDA_VISIBLE_DEVICES` (`visible`) to an actor's GPUs, so its own is device 0;
+    unnarrowed (unset), the id is the index."""
+    if not gpu_ids:
+        return None
+    gpu = str(gpu_ids[0])
+    if visible is None:
+        return int(gpu)
+    seen = [v.strip() for v in visible.split(",")]
+    return seen.index(gpu) if gpu in seen else 0
+
+
 class WorkerActor:
-    """A `Worker` behind a Ray actor; `call` runs one of its methods."""
+    """A `Worker` behind a Ray actor; `call` runs one of its methods. Its CUDA device
+    is the GPU Ray gave it (`local_cuda_index`), not `cuda:<rank>`: rank 1 of a TP
+    group sees one GPU, device 0."""
 
     def __init__(self, config: WorkerConfig, rank: int) -> None:
         self.config = config
         self.rank = rank
+        self.local_rank = local_cuda_index(ray.get_gpu_ids(), cuda_visible_devices())
         self.worker: Worker | None = None
 
     def node_ip(self) -> str:
@@ -50,7 +68,12 @@ class WorkerActor:
         return free_port("")
 
     def start(self, dist_init_method: str) -> None:
-        self.worker = Worker(self.config, rank=self.rank, dist_init_method=dist_init_method)
+        self.worker = Worker(
+            self.config,
+            rank=self.rank,
+            dist_init_method=dist_init_method,
+            local_rank=self.local_rank,
+        )
         self.worker.init_device()
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -116,9 +116,20 @@ def keep_step_buffers_on_the_heap() -> bool:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, rank: int = 0, dist_init_method: str | None = None):
+    """One device's share of the model (TP rank `rank`). `local_rank`: the index of its
+    CUDA device among those its process sees when `config.device` names none (default:
+    `rank`, a process that sees every GPU of the node; a Ray actor sees only its own)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        rank: int = 0,
+        dist_init_method: str | None = None,
+        local_rank: int | None = None,
+    ):
         self.config = config
         self.rank = rank
+        self.local_rank = rank if local_rank is None else local_rank
         self.dist_init_method = dist_init_method
         self.runner: ModelRunner | None = None
         self.info: ModelInfo | None = None
@@ -136,7 +147,7 @@ class Worker:
                     f"engine.parallelism.device is {cfg.device!r} but this machine has no "
                     "CUDA device torch can use: set it to cpu (or auto)"
                 )
-            torch.cuda.set_device(self.rank if device.index is None else device.index)
+            torch.cuda.set_device(self.device)
         if cfg.tensor_parallel_size > 1 and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
@@ -150,7 +161,7 @@ class Worker:
     def device(self) -> torch.device:
         device = torch.device(self.config.device)
         if device.type == "cuda" and device.index is None:
-            return torch.device("cuda", self.rank)
+            return torch.device("cuda", self.local_rank)
         return device
 
     def load_model(self) -> ModelInfo:
