@@ -260,6 +260,10 @@ class EngineReplica:
                 answer = await self.index.publish.remote(
                     self.replica_id, batches, engine.stats(), snapshot
                 )
+                if self.draining_since is not None:
+                    # The drain began while this publish was in flight and has left the
+                    # index: a resync now would register the replica again.
+                    return
                 self._spare_demand = float(answer.get("spare_demand", 0.0))
                 if answer.get("draining") is not None:  # the whole deployment stops
                     asyncio.get_running_loop().create_task(self.drain())
