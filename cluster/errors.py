@@ -246,6 +246,23 @@ def service_unavailable(message: str, retry_after_s: float | None = None) -> Pro
     return ProtocolError(503, message, code="service_unavailable", headers=headers)
 
 
+def engine_error(item: dict[str, Any], *, chat: bool = False) -> ProtocolError:
+    """An engine stream's error item ({"status", "message", "param", "code"?}) as the
+    error the client gets, wherever in the stream it came: a 503 like every other
+    (code service_unavailable, Retry-After; a drain's internal code is not shown), a
+    prompt over max_model_len as context_length_exceeded, and for chat a prompt's
+    param named `messages`."""
+    if item["status"] == 503:
+        return service_unavailable(item["message"], 1.0)
+    param = item.get("param")
+    code = item.get("code")
+    if code is None and param == "prompt" and "max_model_len" in item["message"]:
+        code = "context_length_exceeded"
+    if param == "prompt" and chat:
+        param = "messages"
+    return ProtocolError(item["status"], item["message"], param=param, code=code)
+
+
 def internal_error(exc: BaseException) -> ProtocolError:
     """A 500 for a bug (never for client input). The message names the
     exception type only, so that no internal detail leaks to the client."""

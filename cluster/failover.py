@@ -37,7 +37,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from spur.cluster.errors import ProtocolError, queue_full, service_unavailable
+from spur.cluster.errors import ProtocolError, engine_error, queue_full, service_unavailable
 from spur.cluster.lanes import Lane, LaneMonitor
 from spur.cluster.readiness import CountedStream, shutting_down
 
@@ -365,14 +365,7 @@ class LaneOpener:
 
     def _raise_engine_error(self, first: dict[str, Any]) -> None:
         """The engine's error item (its first) as the ProtocolError the client gets."""
-        if first.get("code") == "draining":  # planned removal: retried, no failure
-            raise service_unavailable(first["message"], 1.0)
-        if first.get("status") == 503 and first.get("replica_id"):
+        draining = first.get("code") == "draining"  # planned removal: no failure
+        if first.get("status") == 503 and first.get("replica_id") and not draining:
             self.monitor.index.report_failure.remote(first["replica_id"])
-        param = first.get("param")
-        code = None
-        if param == "prompt" and "max_model_len" in first["message"]:
-            code = "context_length_exceeded"
-        if param == "prompt" and self.chat:
-            param = "messages"
-        raise ProtocolError(first["status"], first["message"], param=param, code=code)
+        raise engine_error(first, chat=self.chat)

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from spur.cluster.errors import ProtocolError
+from spur.cluster.errors import engine_error
 
 
 class Stream(Protocol):
@@ -22,10 +22,6 @@ class Stream(Protocol):
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
 
     def cancel(self) -> None: ...
-
-
-def _item_error(item: dict[str, Any]) -> ProtocolError:
-    return ProtocolError(item["status"], item["message"], param=item.get("param"))
 
 
 class FanOut:
@@ -102,7 +98,7 @@ class FanOut:
             if isinstance(item, BaseException):
                 raise item
             if item["type"] == "error":
-                raise _item_error(item)
+                raise engine_error(item)
             yield i, item
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ from spur.cluster.errors import (
     body_too_large,
     classify,
     error_body,
+    model_not_found,
     queue_full,
     rate_limited,
     service_unavailable,
@@ -866,15 +867,18 @@ class Ingress:
     async def models(self) -> Response:
         """The served model names, each with its lane's max_model_len (vLLM's extra
         field; null until the lane's first replica has told it)."""
-        cards = [
-            rs.ModelCard(
-                id=name,
-                root=name,
-                max_model_len=self.lanes[self.model_to_lane[name]].max_model_len or None,
-            )
-            for name in self.served
-        ]
-        return JSONResponse(rs.models_response(cards))
+        return JSONResponse(rs.models_response([self._card(name) for name in self.served]))
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str) -> Response:
+        """One served model's card (OpenAI's retrieve), or 404 model_not_found."""
+        if model not in self.served:
+            return _error_response(model_not_found(model, self.served))
+        return JSONResponse(self._card(model).model_dump())
+
+    def _card(self, name: str) -> rs.ModelCard:
+        lane = self.lanes[self.model_to_lane[name]]
+        return rs.ModelCard(id=name, root=name, max_model_len=lane.max_model_len or None)
 
     @app.get("/health")
     async def health(self) -> Response:

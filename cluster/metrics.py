@@ -149,6 +149,8 @@ def route_of(path: str) -> str:
     counts before authentication, so any client could add series without end)."""
     if path in ROUTES or path in ADMIN_ROUTES:
         return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
     if path.startswith("/admin/"):
         return "/admin/other"
     return "other"

@@ -171,3 +171,58 @@ def test_ready_returns_when_the_buffer_fills() -> None:
             fan.close()
 
     asyncio.run(scenario())
+
+
+class ErrorAfterOne(FakeStream):
+    """One delta, then the engine's error item (what EngineStream yields mid-stream)."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(1)
+        self.error = error
+
+    async def __anext__(self) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        if self.error is None:
+            raise StopAsyncIteration
+        error, self.error = self.error, None
+        return error
+
+
+@pytest.mark.parametrize(
+    ("item", "status", "code", "headers"),
+    [
+        # a replica died under an n > 1 stream: a 503 like every other one (it had no
+        # code and no Retry-After)
+        (
+            {"type": "error", "status": 503, "message": "the replica failed", "param": None},
+            503,
+            "service_unavailable",
+            {"Retry-After": "1"},
+        ),
+        # a spare with a smaller max_model_len refusing a continued prompt
+        (
+            {
+                "type": "error",
+                "status": 400,
+                "param": "prompt",
+                "message": "prompt of 300 tokens exceeds max_model_len 256",
+            },
+            400,
+            "context_length_exceeded",
+            {},
+        ),
+    ],
+)
+def test_an_engine_error_mid_stream_reaches_the_client_as_the_same_error_at_its_start(
+    item: dict[str, Any], status: int, code: str, headers: dict[str, str]
+) -> None:
+    async def run() -> ProtocolError:
+        fan = FanOut([ErrorAfterOne(item)], buffer=4)
+        await asyncio.wait_for(fan.ready(), DEADLINE_S)
+        with pytest.raises(ProtocolError) as info:
+            async for _ in fan.items():
+                pass
+        return info.value
+
+    err = asyncio.run(run())
+    assert (err.status, err.code, err.headers) == (status, code, headers)

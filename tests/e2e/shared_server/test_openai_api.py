@@ -53,6 +53,12 @@ def test_models_health_version(openai_client: Any, http: Any, spur_server: Any) 
         assert limit == tokenize(http, model=name, prompt="x")["max_model_len"] > 0, name
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/version").json()["version"]
+    # OpenAI's retrieve: one card per served name (it was "no such route"), 404 otherwise
+    for name in served:
+        card = openai_client.models.retrieve(name)
+        assert (card.id, card.object, card.max_model_len) == (name, "model", limits[name])
+    missing = http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_tokenize_detokenize_round_trip(http: Any) -> None:
