@@ -556,8 +556,24 @@ void decode_attention(const at::Tensor& q, const at::Tensor& out, const at::Tens
   if (lanes == 0) lanes = avail.front();
   TORCH_CHECK(std::find(avail.begin(), avail.end(), lanes) != avail.end(), "decode_attention: ",
               lanes, " lanes is not a path of this build: decode_lanes() lists those it has");
+  // The metadata is trusted as offsets below: check it (one pass over the requests).
+  const int64_t N = rows.size(0);
+  TORCH_CHECK(firsts.size(0) == N && lens.size(0) == N && tables.dim() == 2 &&
+                  tables.size(0) == N,
+              "decode_attention: rows, firsts, lens and tables must have one entry per request");
+  {
+    const int32_t *rp = rows.data_ptr<int32_t>(), *fp = firsts.data_ptr<int32_t>(),
+                  *lp = lens.data_ptr<int32_t>();
+    const int64_t cap = tables.size(1) * k_cache.size(1);
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < q.size(0) && fp[i] >= 0 && fp[i] <= lp[i] &&
+                      lp[i] <= cap,
+                  "decode_attention: request ", i, " (row ", rp[i], ", positions ", fp[i],
+                  " to ", lp[i], ") must be within q's ", q.size(0), " rows and its table's ",
+                  cap, " positions");
+  }
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
-  if (rows.size(0) == 0) return;
+  if (N == 0) return;
   if (kt == at::kFloat && qt == at::kFloat)
     decode_typed<float, float>(q, out, k_cache, v_cache, tables, rows, firsts, lens, scale,
                               lanes);

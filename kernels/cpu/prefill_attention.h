@@ -269,10 +269,11 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& out, const at::Ten
   const int64_t C = chunks.size(0);
   for (int64_t c = 0; c < C; ++c)
     TORCH_CHECK(cp[c * 4 + 1] >= 1 && cp[c * 4 + 1] <= cp[c * 4 + 2] && cp[c * 4] >= 0 &&
-                    cp[c * 4] + cp[c * 4 + 1] <= q.size(0) && cp[c * 4 + 3] >= 0,
+                    cp[c * 4] + cp[c * 4 + 1] <= q.size(0) && cp[c * 4 + 3] >= 0 &&
+                    cp[c * 4 + 2] <= tables.size(1) * bs,
                 "prefill_attention: chunk ", c, " (row ", cp[c * 4], ", ", cp[c * 4 + 1],
                 " tokens, context ", cp[c * 4 + 2], ") must have 1 to context tokens within "
-                "q's rows");
+                "q's rows and its table's ", tables.size(1) * bs, " positions");
   // tasks (chunk, tile, KV head), the tiles with most keys first
   std::vector<std::array<int32_t, 3>> tasks;
   for (int64_t c = 0; c < C; ++c)

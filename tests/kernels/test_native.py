@@ -324,6 +324,38 @@ def test_prefill_attention_refuses_what_it_does_not_serve():
     longer = torch.tensor([[0, 20, 11, 0]], dtype=torch.int32)  # more tokens than context
     with pytest.raises(RuntimeError, match="1 to context tokens within q's rows"):
         lib.prefill_attention(q, out, k, v, tables, longer, scale)
+    # a context past what its table row covers (the tiles read table[pos / block_size])
+    beyond = torch.tensor([[0, 20, tables.shape[1] * 16 + 1, 0]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="within q's rows and its table's"):
+        lib.prefill_attention(q, out, k, v, tables, beyond, scale)
+
+
+def test_decode_attention_refuses_metadata_outside_its_tensors():
+    """The kernel takes rows, windows and tables as offsets: metadata that does not fit
+    (a query_start_loc past the query, a window past the table) is an error, not a
+    write past the end of `out` (AddressSanitizer showed both)."""
+    lib = native.ops()
+    assert lib is not None
+    bs, kv_heads, head_dim, group, num_blocks = 16, 1, 64, 3, 4
+    k, v = torch.randn(2, num_blocks, bs, kv_heads, head_dim).unbind(0)
+    q = torch.randn(1, kv_heads * group, head_dim)
+    out = torch.zeros_like(q)
+    tables = torch.tensor([[1, 2]], dtype=torch.int32)
+
+    def run(row: int, first: int, length: int) -> None:
+        plan = native.plan_decodes(
+            tables, [0], [row], [first], [length], num_blocks=num_blocks, block_size=bs
+        )
+        native.decode_attention(lib, q, out, k, v, plan, head_dim**-0.5)
+
+    run(0, 0, 20)  # fits
+    for row, first, length in ((40, 0, 20), (-1, 0, 20), (0, 21, 20)):
+        with pytest.raises(RuntimeError, match=r"decode_attention: request 0 \(row"):
+            run(row, first, length)
+    plan = native.plan_decodes(tables, [0], [0], [0], [20], num_blocks=num_blocks, block_size=bs)
+    wide = dataclasses.replace(plan, lens=torch.tensor([33], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="its table's 32 positions"):
+        native.decode_attention(lib, q, out, k, v, wide, head_dim**-0.5)
 
 
 def _prefill_args(dtype: torch.dtype, head_dim: int) -> tuple:
