@@ -216,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("--quick", action="store_true", help="a small workload (smoke test)")
     routing.add_argument("--json", action="store_true")
     engine = bench_sub.add_parser("engine", help="offline engine vs transformers static batches")
-    engine.add_argument("--requests", type=_positive, default=64)
+    engine.add_argument(
+        "--requests", type=_positive, default=None, help="requests (default 64; 8 with --quick)"
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--dtypes", default="float32,bfloat16")
     engine.add_argument("--model", default="SmolLM2-135M-Instruct")

@@ -287,3 +287,13 @@ def test_serve_with_keys_fails_closed_wherever_the_ingress_runs(tmp_path, monkey
     assert cli.cmd_serve(args) == 0
     assert deployed[-1].server.auth.require_keys
     assert deployed[-1].server.ray_address == "127.0.0.1:6379"
+
+
+def test_bench_engine_quick_runs_the_quick_workload_unless_requests_is_given() -> None:
+    """--requests defaulted to 64 and was always passed on, so --quick ran 64 requests,
+    not the 8 its help promises (engine.run picks 8 only when given None)."""
+    from spur.cluster import cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench", "engine", "--quick"]).requests is None
+    assert parser.parse_args(["bench", "engine", "--quick", "--requests", "16"]).requests == 16

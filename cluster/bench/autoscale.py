@@ -39,6 +39,7 @@ import yaml
 from spur.actors.ports import free_port
 from spur.cluster.bench.cpu import cpu_info
 from spur.cluster.bench.serve import sse_json
+from spur.cluster.bench.stats import percentile
 from spur.cluster.fake_cluster import FakeCluster, NodeType, alive_nodes, session_processes
 
 logger = logging.getLogger(__name__)
@@ -325,10 +326,7 @@ def routing_events(url: str) -> dict[str, int]:
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+    return percentile(values, q * 100)
 
 
 def run(

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spur.cluster.bench.stats import percentile
 from spur.configs import cpu
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class ClientLag:
     def summary(self) -> dict[str, float | None]:
         """{"loop_lag_ms_p99", "loop_lag_ms_max", "cpu_wait_s"} over the arm."""
         lags = sorted(self.lags)
-        p99 = lags[round(0.99 * (len(lags) - 1))] if lags else None
+        p99 = percentile(lags, 99)
         wait = None
         if self._wait0 is not None and self._wait1 is not None:
             wait = round(self._wait1 - self._wait0, 3)

@@ -67,10 +67,10 @@ def test_combine_takes_medians_and_per_round_ratios() -> None:
 
 
 def test_goals_at_the_highest_concurrency() -> None:
-    def pairing(dtype: str, top: tuple[float, float]) -> dict[str, object]:
+    def pairing(dtype: str, top: tuple[float, float], peer_errors: int = 0) -> dict[str, object]:
         low = peer.combine(1, [{"spur": _arm(10, 10, 1), "llama_cpp": _arm(99, 1, 1)}])
-        high = peer.combine(16, [{"spur": _arm(top[0], top[1], 1), "llama_cpp": _arm(100, 100, 1)}])
-        return {"spur_dtype": dtype, "levels": [high, low]}
+        arms = {"spur": _arm(top[0], top[1], 1), "llama_cpp": _arm(100, 100, 1, peer_errors)}
+        return {"spur_dtype": dtype, "levels": [peer.combine(16, [arms]), low]}
 
     goals = peer.goals(
         {"pairings": [pairing("float32", (120, 90)), pairing("bfloat16", (120, 110))]}
@@ -79,9 +79,14 @@ def test_goals_at_the_highest_concurrency() -> None:
         "concurrency": 16,
         "tokens_per_s_ratio": 1.2,
         "ttft_p99_ratio": 0.9,
+        "errors": {"spur": 0, "llama_cpp": 0},
         "met": True,
     }
     assert goals["bfloat16"]["met"] is False  # TTFT p99 worse than llama.cpp's
+    # Failed requests leave an arm's figures (its slowest ones gone): no goal over them.
+    dropped = peer.goals({"pairings": [pairing("float32", (120, 90), peer_errors=2)]})
+    assert dropped["float32"]["errors"] == {"spur": 0, "llama_cpp": 2}
+    assert dropped["float32"]["met"] is False
 
 
 def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
@@ -93,7 +98,8 @@ def test_summarize_counts_errors_and_falls_back_to_chunks() -> None:
     s = peer.summarize(results, elapsed=0.5, concurrency=2)
     assert (s["requests"], s["errors"], s["generated_tokens"]) == (3, 1, 5)
     assert s["tokens_per_s"] == 10.0 and s["tokens_from_usage"] is False
-    assert s["ttft_ms_p50"] in (100.0, 300.0) and s["itl_ms_p99"] == 30.0
+    # interpolated: the median of two is their mean; p99 of 10, 20, 30 ms is 29.8
+    assert s["ttft_ms_p50"] == 200.0 and s["itl_ms_p99"] == 29.8
     assert s["error_samples"] == ["HTTP 503: busy"]
     # TPOT per request: (latency - ttft) / (tokens - 1): 20 ms and 20 ms
     assert s["tpot_ms_p50"] == s["tpot_ms_p99"] == pytest.approx(20.0)
@@ -342,3 +348,27 @@ def test_progress_bars_count_requests_and_stay_off_stdout(
     assert capsys.readouterr().out == ""
     with progress_bars(False) as bars:
         bars.arm("nothing")()  # disabled: callable, does nothing
+
+
+def test_percentiles_interpolate_as_numpy_does() -> None:
+    """The rounded-index percentile took the p99 of 64 requests from the second slowest
+    (one slow outlier vanished from a TTFT p99 goal), and the p50 of an even count from
+    one of the middle two."""
+    import random
+
+    import numpy as np
+
+    from spur.cluster.bench.stats import percentile
+
+    ttfts = [0.1] * 62 + [0.2, 0.9]
+    assert percentile(ttfts, 99) == pytest.approx(float(np.percentile(ttfts, 99)))
+    assert percentile(ttfts, 99) == pytest.approx(0.459)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([4, 1, 3], 50) == 3
+    rng = random.Random(0)
+    for n in (1, 2, 5, 64, 100):
+        xs = [rng.random() for _ in range(n)]
+        for q in (0, 50, 90, 95, 99, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q))), (n, q)
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile([1.0], 101)
