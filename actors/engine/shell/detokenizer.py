@@ -173,11 +173,20 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Append output ids; return the text that became final (maybe "").
 
-        Mutates the detokenizer. Decodes O(CONTEXT_TOKENS + ids of this and
-        the previous update) ids, at most 5 times (usually once). After a stop
-        string matched, returns "" and ignores the ids (a step may have produced
-        ids past the stop). Raises RuntimeError after `finish`.
+        Mutates the detokenizer. Several ids (accepted drafts, a failover's caught-up
+        output) are taken one at a time, as vLLM does: the window moves only where an
+        update starts on a character boundary, and with a byte-fallback tokenizer
+        updates of k ids out of step with a character's bytes never start on one (the
+        stream gave up and passed the byte run on as U+FFFD). Decodes O(CONTEXT_TOKENS)
+        ids at most 5 times (usually once) per id. After a stop string matched, returns
+        "" and ignores the ids (a step may have produced ids past the stop). Raises
+        RuntimeError after `finish`.
         """
+        if len(new_token_ids) > 1:
+            return "".join([self._update((token_id,)) for token_id in new_token_ids])
+        return self._update(new_token_ids)
+
+    def _update(self, new_token_ids: Sequence[int]) -> str:
         if self._finished:
             raise RuntimeError("update() after finish(): the request has ended")
         if self._stopped_by is not None or not new_token_ids:
@@ -209,7 +218,7 @@ class IncrementalDetokenizer:
         step without drafts brings them, the ids after the stop string's are left out
         of the output, as they would never have been generated."""
         if not self._stops or len(new_token_ids) <= 1 or self._stopped_by is not None:
-            return self.update(new_token_ids), len(new_token_ids)
+            return self.update(new_token_ids), len(new_token_ids)  # one id at a time too
         parts = []
         for i, token_id in enumerate(new_token_ids):
             parts.append(self.update((token_id,)))
