@@ -190,6 +190,20 @@ def test_sentencepiece_long_byte_fallback_run(sentencepiece):
     assert max(counting.lengths) <= 2 * C + 4
 
 
+@pytest.mark.parametrize("tail", ["😀", "😀😀", "日本", "é"])
+def test_a_prompt_ending_in_byte_tokens_is_context_for_the_first_output_token(sentencepiece, tail):
+    """The prompt's last 5 ids began inside a run of byte tokens, which the decoder makes
+    all U+FFFD: the context was dropped and the output's first token lost its space
+    ('world!' for ' world!'). The context is now the fewest ids, up to 24, that end on a
+    complete character."""
+    sp = sentencepiece
+    prompt = sp_ids(sp, ["\u2581Hello", tail])
+    out = sp_ids(sp, ["\u2581world", "!"])
+    detok = IncrementalDetokenizer(sp, prompt)
+    text = "".join(stream(detok, out))
+    assert text == sp.decode(prompt + out)[len(sp.decode(prompt)) :] == " world!"
+
+
 @pytest.mark.parametrize("k", range(2, 9))
 def test_byte_fallback_text_streamed_k_ids_at_a_time(sentencepiece, k):
     """Steps of k ids (1 + accepted drafts): the window moved only where an update

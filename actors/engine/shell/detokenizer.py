@@ -99,6 +99,8 @@ class IncrementalDetokenizer:
     CONTEXT_TOKENS = 5
     """Ids kept (up to 3 more, to start on a character boundary) when the window
     moves on, which it does once it holds more than twice this many."""
+    MAX_CONTEXT_SEARCH = 24
+    """Most prompt ids tried as the first window's context (vLLM's bound too)."""
     MAX_WINDOW_TOKENS = 64
     """Bound on the ids kept besides the last two updates' ids. Only reached when
     the window cannot move for that many ids: the model keeps producing invalid
@@ -132,13 +134,22 @@ class IncrementalDetokenizer:
 
         # The window: ids whose decode is `_window_text`, of which the first
         # `_consumed` chars have been passed on (or are prompt context).
-        context = list(prompt_token_ids[-self.CONTEXT_TOKENS :])
-        context_text = self._decode(context)
-        if context_text.endswith(_REPLACEMENT):
-            # The prompt ends inside a character (or in invalid bytes): as
-            # context it would glue its partial bytes to the output's first
-            # token, so decode the output on its own instead.
-            context, context_text = [], ""
+        # The prompt's last ids as context, the fewest from CONTEXT_TOKENS up to
+        # MAX_CONTEXT_SEARCH that decode to a complete character at their end (as vLLM
+        # searches): a byte-fallback decoder makes a whole run of byte tokens U+FFFD
+        # when the run's first bytes are cut off, so 5 ids inside an emoji run need more.
+        context, context_text = [], ""
+        for n in range(self.CONTEXT_TOKENS, self.MAX_CONTEXT_SEARCH + 1):
+            ids = list(prompt_token_ids[-n:])
+            text = self._decode(ids)
+            if not text.endswith(_REPLACEMENT):
+                context, context_text = ids, text
+                break
+            if n >= len(prompt_token_ids):
+                break
+        # None found: the prompt ends inside a character (or in invalid bytes); as
+        # context it would glue its partial bytes to the output's first token, so the
+        # output is decoded on its own.
         self._ids = context
         self._window_text = context_text
         self._consumed = len(context_text)
