@@ -250,7 +250,16 @@ def build_engine(
 ) -> Engine:
     """Start the workers, load the model, size and allocate the KV pool, and
     build the scheduler. Raises ValueError (naming the fix) for a pool that
-    cannot hold one request; the workers are shut down on any failure."""
+    cannot hold one request or a `tokenizer` folder without a tokenizer; the workers
+    are shut down on any failure."""
+    if args.tokenizer is not None and not has_tokenizer(args.tokenizer):
+        # Else ignored: text prompts would fail naming the model folder, token-id
+        # prompts would return no text, and the tokenizer's EOS would not end them.
+        raise ValueError(
+            f"engine.model.tokenizer {args.tokenizer!r} holds no Hugging Face tokenizer "
+            "(tokenizer.json or tokenizer_config.json): give a tokenizer folder, or unset it "
+            "to use the model folder's"
+        )
     executor = executor_factory(args.worker_config())
     try:
         info: ModelInfo = executor.collective_rpc("load_model")[0]
@@ -372,10 +381,15 @@ def tokenizer_files(model_dir: str) -> dict[str, bytes]:
     return files
 
 
+def has_tokenizer(folder: str) -> bool:
+    """Whether the folder holds a Hugging Face tokenizer's files."""
+    return any((Path(folder) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def load_tokenizer(model_dir: str) -> Any | None:
     """The folder's Hugging Face tokenizer, or None when it has none."""
     folder = Path(model_dir)
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not has_tokenizer(model_dir):
         return None
     from transformers import AutoTokenizer
 

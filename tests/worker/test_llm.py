@@ -105,6 +105,13 @@ def test_parallel_sampling_and_seeds(tiny_model_dir):
         llm.shutdown()
 
 
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused_at_start(tiny_model_dir, tmp_path):
+    """LLM(tokenizer=<a folder with no tokenizer>) was ignored: text prompts then failed
+    naming the model folder, and token-id prompts returned no text."""
+    with pytest.raises(ValueError, match=rf"engine.model.tokenizer '{tmp_path}' holds no"):
+        LLM(str(tiny_model_dir("llama")), num_kv_blocks=20, tokenizer=str(tmp_path))
+
+
 def test_bad_input_is_rejected_before_anything_runs(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=20, block_size=4)
     try:
