@@ -17,7 +17,7 @@ from spur.actors.builder import EngineArgs, build_engine, load_tokenizer
 from spur.actors.engine.core.outputs import RequestOutput
 from spur.actors.engine.core.request import RequestStatus
 from spur.actors.engine.core.scheduler import check_token_ids
-from spur.actors.engine.shell.chat_template import chat_token_ids
+from spur.actors.engine.shell.chat_template import chat_token_ids, template_message
 from spur.actors.engine.shell.output_processor import Delta, OutputProcessor
 from spur.actors.generation_config import eos_ids, with_eos
 from spur.actors.step import SamplingParams
@@ -113,7 +113,7 @@ class LLM:
         # The template already holds the special tokens (BOS, role markers).
         return chat_token_ids(
             self.tokenizer,
-            [dict(m) for m in messages],
+            [template_message(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             template_kwargs=chat_template_kwargs,

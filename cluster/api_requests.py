@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from spur.actors.engine.shell.chat_template import ROLE_ALIASES, join_text_parts
 from spur.actors.generation_config import SamplingDefaults
 from spur.actors.step import SamplingParams, SamplingParamsError
 from spur.cluster.errors import (
@@ -132,7 +133,7 @@ class ChatMessage(_Nested):
         """The message as the chat template gets it: role (`developer` becomes
         `system`, which templates know), content as text, and `name` / `tool_call_id`
         when given (templates may render them, as vLLM passes them on)."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out = {"role": ROLE_ALIASES.get(self.role, self.role), "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
@@ -162,7 +163,7 @@ class ChatMessage(_Nested):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text or "" for part in self.content)
+        return join_text_parts([part.text or "" for part in self.content])
 
 
 class ResponseFormat(_Nested):

@@ -100,3 +100,25 @@ def test_template_kwargs_and_message_names_reach_the_template(tok: Any) -> None:
         assert quiet == "[user:bob]hi<no-think>"
     finally:
         tok.chat_template = original
+
+
+def test_offline_messages_follow_the_http_apis_rule(tok: Any) -> None:
+    """OpenAI content-part lists and the developer role: the HTTP API joins the parts
+    and maps developer to system; the offline LLM.chat passed messages as given (a
+    template error on the list, and a 'developer' turn plus SmolLM2's default system
+    prompt). One rule now (template_message), the same prompt either way."""
+    from spur.actors.engine.shell.chat_template import template_message
+    from spur.cluster.api_requests import ChatMessage
+
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "you"}]
+    chats = [
+        [{"role": "user", "content": parts}],
+        [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    ]
+    for messages in chats:
+        offline = chat_token_ids(tok, [template_message(m) for m in messages])
+        http = chat_token_ids(tok, [ChatMessage(**m).template_dict() for m in messages])
+        assert offline == http
+    assert "Be brief." in tok.decode(offline) and "developer" not in tok.decode(offline)
+    with pytest.raises(ChatTemplateError, match="content part 0 is of type 'image_url'"):
+        template_message({"role": "user", "content": [{"type": "image_url", "image_url": {}}]})

@@ -11,7 +11,7 @@ text is tokenized without adding them again (unless the caller asks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -19,6 +19,40 @@ class ChatTemplateError(ValueError):
     """The messages cannot be templated for this model: it has no chat template,
     the template refused them (its own `raise_exception`), or the options
     contradict each other. The message names the problem; an HTTP API answers 400."""
+
+
+ROLE_ALIASES = {"developer": "system"}
+"""Roles a template gets under another name: `developer` is OpenAI's newer name for
+`system`, which chat templates know."""
+
+
+def join_text_parts(texts: Sequence[str]) -> str:
+    """A message's text parts as one string: joined with newlines, as vLLM does."""
+    return "\n".join(texts)
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message in OpenAI's form as a chat template gets it (the offline `LLM.chat`;
+    the HTTP API's validated messages follow the same rule): role through
+    ROLE_ALIASES, content given as text parts joined (`join_text_parts`), every other
+    key as given. Raises ChatTemplateError for a part that is not text."""
+    out = dict(message)
+    role = out.get("role")
+    if isinstance(role, str):
+        out["role"] = ROLE_ALIASES.get(role, role)
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ChatTemplateError(
+                    f"content part {i} is of type {kind!r}: only text parts are supported "
+                    "(give the content as a string or as {'type': 'text', 'text': ...} parts)"
+                )
+            texts.append(str(part.get("text") or ""))
+        out["content"] = join_text_parts(texts)
+    return out
 
 
 def render_chat(
