@@ -51,6 +51,8 @@ def _fake_ingress(answers: dict[str, Any]) -> Any:
         selector=types.SimpleNamespace(spare_of={"chat": "spare"}), draining=None, _stats=_stats
     )
     fake._relearn_soon = lambda lane, retry_s=2.0: Ingress._relearn_soon(fake, lane, retry_s)
+    # the real method: the tokenizer folders are on this node, so no engine is asked
+    fake._engine_tokenizer = lambda name, tok_dir: Ingress._engine_tokenizer(fake, name, tok_dir)
     return fake
 
 
