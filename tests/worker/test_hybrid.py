@@ -284,32 +284,33 @@ def test_multimodal_qwen3_5_checkpoint_served_text_only(tmp_path, hybrid_dir):
         assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
 
 
+def _state_group_scheduler(caching: bool) -> tuple[Any, Any]:
+    """(KV config, scheduler): one attention and one state group, blocks of 16."""
+    from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
+    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
+    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+
+    groups = (KVCacheGroup(FullAttentionSpec(1, 1, 2), 1), KVCacheGroup(StateSpec(64), 1))
+    kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups, enable_prefix_caching=caching)
+    config = SchedulerConfig(
+        max_num_batched_tokens=512,
+        max_num_seqs=16,
+        max_model_len=256,
+        long_prefill_token_threshold=0,
+        policy="fcfs",
+        check_kv_bounds=True,
+    )
+    return kv, Scheduler(config, kv)
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_prefill_stops_at_its_last_block_boundary(caching):
     """With state groups (and prefix caching), a prompt of 100 tokens in blocks of
     16 prefills 96 tokens, then the 4-token tail: the state after 96 tokens is
     kept and cacheable. Without caching there is nothing to keep: one chunk."""
-    from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
     from spur.actors.engine.core.fake_executor import FakeExecutor
-    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 
-    groups = (
-        KVCacheGroup(FullAttentionSpec(1, 1, 2), 1),
-        KVCacheGroup(StateSpec(64), 1),
-    )
-    kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups, enable_prefix_caching=caching)
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=512,
-            max_num_seqs=16,
-            max_model_len=256,
-            long_prefill_token_threshold=0,
-            policy="fcfs",
-            check_kv_bounds=True,
-        ),
-        kv,
-    )
+    kv, sched = _state_group_scheduler(caching)
     executor = FakeExecutor(kv)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     sched.add_request(sched.make_request("a", list(range(100)), params))
@@ -328,23 +329,10 @@ def test_a_repeated_prompt_hits_all_but_its_last_block_also_when_aligned(prompt_
     groups. A prompt ending on a block boundary (64) was prefilled in one chunk: the
     only state kept was the one after all 64 tokens, which no repeat can use (its last
     token is always computed), so its repeat hit nothing."""
-    from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
     from spur.actors.engine.core.engine_core import EngineCore
     from spur.actors.engine.core.fake_executor import FakeExecutor
-    from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
-    from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
 
-    groups = (KVCacheGroup(FullAttentionSpec(1, 1, 2), 1), KVCacheGroup(StateSpec(64), 1))
-    kv = KVCacheConfig(block_size=16, num_blocks=64, groups=groups)
-    config = SchedulerConfig(
-        max_num_batched_tokens=512,
-        max_num_seqs=16,
-        max_model_len=256,
-        long_prefill_token_threshold=0,
-        policy="fcfs",
-        check_kv_bounds=True,
-    )
-    sched = Scheduler(config, kv)
+    kv, sched = _state_group_scheduler(caching=True)
     core = EngineCore(sched, FakeExecutor(kv))
     cached = []
     for name in ("first", "repeat"):

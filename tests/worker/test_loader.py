@@ -22,6 +22,13 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _with_config(path: Path, **changes: object) -> Path:
+    """`path`, its config.json's fields changed."""
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return path
+
+
 # ---- errors a user can cause -------------------------------------------------
 
 
@@ -87,10 +94,7 @@ def test_missing_tensor_is_named(tmp_path, tiny_model_dir):
 def test_weights_config_json_does_not_describe_are_refused(tmp_path, tiny_model_dir):
     """config.json says 1 layer, the checkpoint holds 2: the second layer's tensors
     were ignored with a warning and a truncated model served."""
-    path = _copy(tiny_model_dir("llama"), tmp_path / "m")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _with_config(_copy(tiny_model_dir("llama"), tmp_path / "m"), num_hidden_layers=1)
     with pytest.raises(ModelLoadError) as info:
         load_model(path, dtype="float32", device="cpu")
     msg = str(info.value)
@@ -99,10 +103,7 @@ def test_weights_config_json_does_not_describe_are_refused(tmp_path, tiny_model_
 
 
 def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path, tiny_model_dir):
-    path = _copy(tiny_model_dir("llama"), tmp_path / "m")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _with_config(_copy(tiny_model_dir("llama"), tmp_path / "m"), intermediate_size=96)
     with pytest.raises(ModelLoadError) as info:
         load_model(path, dtype="float32", device="cpu")
     # e.g. tensor 'model.layers.0.mlp.down_proj.weight' ... shape (64, 128) ... expects (64, 96)
