@@ -98,3 +98,48 @@ def test_bench_command_runs_the_installed_script():
         "4.8",
     ]
     assert gpu_check.peak_for("NVIDIA H200") == 4.8 and gpu_check.peak_for("Tesla T4") is None
+
+
+INJECT = """
+import json, sys
+from spur.actors import gpu_check
+from spur.actors.worker.model_runner import ModelRunner
+
+def boom(*args, **kwargs):
+    raise RuntimeError("injected failure")
+
+gpu_check._check_store = boom  # the store_kv cases
+gpu_check._decode_shape = boom  # every bandwidth shape
+ModelRunner.capture_decode_graphs = boom  # graph capture
+sys.exit(gpu_check.main(json.loads(sys.argv[1])))
+"""
+
+
+def test_a_failure_leaves_every_other_figure(tmp_path, monkeypatch):
+    """One run on a lent device is all there is: a failing kernel case, bandwidth shape
+    or graph capture used to throw away its whole section's figures (the passing
+    cases' differences, the eager engine's tokens/s). Each is recorded where it failed,
+    and the summary is on disk after every section."""
+    out = tmp_path / "summary.json"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", INJECT, json.dumps(["--dry-run", "--out", str(out)])],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr[-4000:]  # not ok, but a summary
+    summary = json.loads(out.read_text())
+    assert not summary["ok"] and "partial" not in summary
+    kernels = summary["kernels"]
+    assert not kernels["ok"] and kernels["failed"]
+    assert all(name.startswith("store_kv") for name in kernels["failed"])
+    passed = [c for c in kernels["cases"].values() if c["ok"]]
+    assert len(passed) >= 10 and all("max_abs_diff" in c for c in passed)
+    bandwidth = summary["bandwidth"]
+    assert not bandwidth["ok"] and all("error" in r for r in bandwidth["decode"].values())
+    engine = summary["engine"]
+    assert not engine["ok"] and "injected failure" in engine["capture"]["error"]
+    for level in ("batch1", "batch4"):  # the eager arm still measured
+        assert engine[level]["eager"]["tokens_per_s"] > 0 and "graphs" not in engine[level]
