@@ -81,8 +81,11 @@ def _store_kv_kernel(
         ks = load_scale(k_scale, SCALE_IS_PTR)
         vs = load_scale(v_scale, SCALE_IS_PTR)
         # Saturate before converting: e4m3fn has no infinity, an overflow would be NaN.
-        kq = tl.clamp(k.to(tl.float32) / ks, -448.0, 448.0).to(tl.float8e4nv)
-        vq = tl.clamp(v.to(tl.float32) / vs, -448.0, 448.0).to(tl.float8e4nv)
+        # div_rn: the division rounded as torch's reference rounds it (Triton's `/` is
+        # PTX div.full.f32, up to 2 ulp off, which flips quotients halfway between two
+        # e4m3 values); free here, the kernel is memory-bound.
+        kq = tl.clamp(tl.div_rn(k.to(tl.float32), ks), -448.0, 448.0).to(tl.float8e4nv)
+        vq = tl.clamp(tl.div_rn(v.to(tl.float32), vs), -448.0, 448.0).to(tl.float8e4nv)
         tl.store(dst, kq.to(tl.uint8, bitcast=True), mask=mask)
         tl.store(dst + stride_c_kv, vq.to(tl.uint8, bitcast=True), mask=mask)
     else:
