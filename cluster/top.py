@@ -87,12 +87,18 @@ def _get(url: str, admin_key: str | None) -> bytes:
 
 def read(url: str, admin_key: str | None = None) -> Reading:
     url = url.rstrip("/")
-    text = _get(f"{url}/metrics", admin_key).decode()
+    text = _get(f"{url}/metrics", admin_key).decode(errors="replace")
     reading = Reading(time.monotonic())
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            reading.samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
-    reading.lanes = json.loads(_get(f"{url}/admin/lanes", admin_key))
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                reading.samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    except ValueError:
+        raise TopError(f"{url}/metrics is not Prometheus text: is this a spur server?") from None
+    try:
+        reading.lanes = json.loads(_get(f"{url}/admin/lanes", admin_key))
+    except ValueError:
+        raise TopError(f"{url}/admin/lanes is not JSON: is this a spur server?") from None
     return reading
 
 

@@ -189,3 +189,38 @@ def test_spur_top_rates_count_from_one_engine_report_to_another() -> None:
     store.update_engine("r1", "chat", m.snapshot())
     got = rates(reading(11.3), first, "vllm:generation_tokens_total")
     assert got == {"r1": pytest.approx(20.0, abs=0.05)}
+
+
+def test_spur_top_says_what_is_wrong_with_a_server_that_is_not_spur() -> None:
+    """A URL whose /metrics is not Prometheus text, or whose /admin/lanes is not JSON
+    (another server on the port): one line naming it, not a traceback."""
+    import http.server
+    import threading
+
+    from spur.cluster.top import TopError, read
+
+    answers = {"/metrics": b"<html>hello</html>", "/admin/lanes": b"<html>lanes</html>"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = answers[self.path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(TopError, match=r"/metrics is not Prometheus text"):
+            read(url)
+        answers["/metrics"] = b"vllm:num_requests_running 0\n"
+        with pytest.raises(TopError, match=r"/admin/lanes is not JSON"):
+            read(url)
+    finally:
+        server.shutdown()
+        server.server_close()
