@@ -102,7 +102,7 @@ class IncrementalDetokenizer:
     MAX_CONTEXT_SEARCH = 24
     """Most prompt ids tried as the first window's context (vLLM's bound too)."""
     MAX_WINDOW_TOKENS = 64
-    """Bound on the ids kept besides the last two updates' ids. Only reached when
+    """Bound on the ids kept besides the newest one. Only reached when
     the window cannot move for that many ids: the model keeps producing invalid
     UTF-8. The held U+FFFD characters are then passed on as they are, which may
     differ from a full decode of such garbage."""
@@ -153,7 +153,6 @@ class IncrementalDetokenizer:
         self._ids = context
         self._window_text = context_text
         self._consumed = len(context_text)
-        self._last_update_len = 0
 
         # The stop-string stage: the last `_lookback` chars of the text stream,
         # of which the last `_held` have not been released yet.
@@ -193,23 +192,32 @@ class IncrementalDetokenizer:
         "" and ignores the ids (a step may have produced ids past the stop). Raises
         RuntimeError after `finish`.
         """
-        if len(new_token_ids) > 1:
-            return "".join([self._update((token_id,)) for token_id in new_token_ids])
-        return self._update(new_token_ids)
+        return self.update_counted(new_token_ids)[0]
 
-    def _update(self, new_token_ids: Sequence[int]) -> str:
+    def update_counted(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
+        """`update`, and how many of the ids the output keeps: all of them, unless a
+        stop string is completed, then those up to the one that completed it. One
+        step can bring several ids (accepted speculative drafts); fed one by one, as a
+        step without drafts brings them, the ids after the stop string's are left out
+        of the output, as they would never have been generated."""
         if self._finished:
             raise RuntimeError("update() after finish(): the request has ended")
-        if self._stopped_by is not None or not new_token_ids:
-            return ""
-        self._num_tokens += len(new_token_ids)
+        if self._stopped_by is not None:
+            return "", len(new_token_ids)
+        parts = []
+        for i, token_id in enumerate(new_token_ids):
+            parts.append(self._update_one(token_id))
+            if self._stopped_by is not None:
+                return "".join(parts), i + 1
+        return "".join(parts), len(new_token_ids)
+
+    def _update_one(self, token_id: int) -> str:
+        self._num_tokens += 1
         if len(self._ids) > 2 * self.CONTEXT_TOKENS:
             self._try_move_window()
-        # Moves kept failing (not counting the last update's ids, which may be
-        # many at once): see MAX_WINDOW_TOKENS.
-        give_up = len(self._ids) - self._last_update_len > self.MAX_WINDOW_TOKENS
-        self._last_update_len = len(new_token_ids)
-        self._ids.extend(new_token_ids)
+        # Moves kept failing (not counting the newest id): see MAX_WINDOW_TOKENS.
+        give_up = len(self._ids) - 1 > self.MAX_WINDOW_TOKENS
+        self._ids.append(token_id)
         text = self._decode(self._ids)
         self._window_text = text
         # A trailing run of U+FFFD may be a character whose remaining bytes are
@@ -221,21 +229,6 @@ class IncrementalDetokenizer:
         if give_up:
             self._move_window(len(self._ids) - self.CONTEXT_TOKENS, held=0)
         return self._release(delta, final=False)
-
-    def update_counted(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
-        """`update`, and how many of the ids the output keeps: all of them, unless a
-        stop string is completed, then those up to the one that completed it. One
-        step can bring several ids (accepted speculative drafts); fed one by one, as a
-        step without drafts brings them, the ids after the stop string's are left out
-        of the output, as they would never have been generated."""
-        if not self._stops or len(new_token_ids) <= 1 or self._stopped_by is not None:
-            return self.update(new_token_ids), len(new_token_ids)  # one id at a time too
-        parts = []
-        for i, token_id in enumerate(new_token_ids):
-            parts.append(self.update((token_id,)))
-            if self._stopped_by is not None:
-                return "".join(parts), i + 1
-        return "".join(parts), len(new_token_ids)
 
     def finish(self) -> str:
         """End the stream (EOS, length, abort): return all text still held back, an
