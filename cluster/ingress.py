@@ -494,6 +494,7 @@ class Ingress:
         prompt_tokens: int,
         max_completion_tokens: int = 0,
         asked: bool = False,
+        min_completion_tokens: int = 1,
     ) -> tuple[Any, int | None, int | None]:
         """Take a lease of the key's limits for this request (429 when over one; 400 when
         it can never fit the key's budget), its prompt and its completion's maximum
@@ -516,6 +517,7 @@ class Ingress:
                     prompt_tokens,
                     max_completion_tokens,
                     asked,
+                    min_completion_tokens,
                 )
             )
         )
@@ -719,13 +721,14 @@ class Ingress:
         prompt_tokens = sum(len(p) for p in prompts)
         each = max_tokens_each or [params.max_tokens] * len(prompts)
         most = sum(each) * params.n
+        choices = params.n * len(prompts)
         limits, lease, allowed = await self._admit(
-            principal, prompt_tokens, most, req.asks_max_tokens
+            principal, prompt_tokens, most, req.asks_max_tokens, max(1, params.min_tokens) * choices
         )
         if allowed is not None and allowed < most:
             # The key's token budget bounds a default max_tokens: every choice gets an
             # equal share of what it leaves (the reservation just charged).
-            share = allowed // (params.n * len(prompts))
+            share = allowed // choices
             if share < max(1, params.min_tokens):
                 assert limits is not None and principal is not None
                 limits.release.remote(principal.key_id, lease, 0, True)
@@ -733,7 +736,7 @@ class Ingress:
                     f"the prompt leaves {allowed:,} of the {principal.tokens_per_minute:,} "
                     f"tokens key {principal.name!r} may use per minute, fewer than "
                     f"{max(1, params.min_tokens):,} for each of its "
-                    f"{params.n * len(prompts):,} choices: shorten the prompt, ask for fewer "
+                    f"{choices:,} choices: shorten the prompt, ask for fewer "
                     "choices, or ask for a higher tokens_per_minute",
                     param="prompt",
                     code="tokens_per_minute_exceeded",

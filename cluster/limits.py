@@ -10,7 +10,7 @@ The state lives in one Ray actor (as the KV index does), so limits hold however
 many ingress replicas there are. `LimitBook` is the pure bookkeeping (unit
 tested without Ray); `LimitsActor` is its thin shell. A request is admitted when its
 prompt plus the completion it may still generate (its max tokens, all choices and
-prompts; at most what the budget leaves after the prompt) fits the key's window, and
+prompts; a default max tokens is cut to what the window has left) fits the key's window, and
 that much is charged at once, so that concurrent requests cannot overrun the budget
 before any of them is billed (OpenAI's limiter counts max_tokens too). That reservation
 is also all the request may generate: the ingress cuts a default max_tokens to it, and
@@ -94,14 +94,18 @@ class LimitBook:
         prompt_tokens: int,
         max_completion_tokens: int = 0,
         asked: bool = False,
+        min_completion_tokens: int = 1,
     ) -> dict[str, Any]:
         """Take a lease for one request of `prompt_tokens` that may generate up to
         `max_completion_tokens`, or refuse it.
 
         Returns {"lease": int, "completion_tokens": int | None}: the prompt and the
-        reservation (the completion's maximum, at most what the budget leaves after the
-        prompt) are charged now, and `completion_tokens` is that reservation, the most
-        the request may generate (None: no token budget, no bound).
+        reservation are charged now, and `completion_tokens` is that reservation, the
+        most the request may generate (None: no token budget, no bound). The
+        reservation is `max_completion_tokens` when the request named it (`asked`);
+        else (a default maximum) what the window has left after the prompt, at most
+        `max_completion_tokens` and at least `min_completion_tokens` (what all its
+        choices need: a request refused for "tokens" waits for that much room).
         Or {"retry_after_s": float, "reason": "concurrency" | "tokens"} with nothing
         charged. A request that can never be admitted is refused with "reason":
         "too_large": its prompt is larger than the whole per-minute budget, or leaves
@@ -114,12 +118,19 @@ class LimitBook:
             return {"retry_after_s": 1.0, "reason": "concurrency"}
         reserve: int | None = None
         if tokens_per_minute is not None:
-            room = tokens_per_minute - prompt_tokens
-            needs = max_completion_tokens if asked else min(max_completion_tokens, 1)
-            if room < needs:
+            needs = (
+                max_completion_tokens
+                if asked
+                else min(max_completion_tokens, max(1, min_completion_tokens))
+            )
+            if tokens_per_minute - prompt_tokens < needs:
                 self.refused["too_large"] += 1
                 return {"retry_after_s": math.inf, "reason": "too_large"}
-            reserve = max(0, min(max_completion_tokens, room))
+            # An unasked maximum takes what the window has left now (at least `needs`).
+            room = tokens_per_minute - st.tokens_sum - prompt_tokens
+            reserve = (
+                max_completion_tokens if asked else max(needs, min(max_completion_tokens, room))
+            )
             if st.tokens_sum + prompt_tokens + reserve > tokens_per_minute:
                 # Wait until enough of the oldest charges leave the window.
                 need = st.tokens_sum + prompt_tokens + reserve - tokens_per_minute
@@ -145,8 +156,10 @@ class LimitBook:
         """End `key_id`'s lease: take back its reservation (while the window still
         holds it) and charge the completion's tokens to the key. `refund`: the request
         failed before its first token (the engine refused it, no replica could serve
-        it), so its whole admission charge, prompt included, is taken back. The tokens
-        are charged even when the lease is no longer known (it expired, or was taken
+        it), so its whole admission charge, prompt included, is taken back. A request
+        that outlived the window (its reservation already dropped from it) is charged
+        only the completion tokens beyond its reservation. The tokens are charged even
+        when the lease is no longer known (it expired, or was taken
         before the actor restarted); a lease that is not the key's is left alone."""
         owner = self.lease_owner.get(lease)
         now = self.clock()
@@ -159,6 +172,10 @@ class LimitBook:
                 back = charge.tokens if refund else reserve
                 charge.tokens -= back
                 st.tokens_sum -= back
+            elif charge is not None:
+                # The window already dropped the reservation, which was charged for
+                # a minute: only what the completion used beyond it is new.
+                completion_tokens = max(0, completion_tokens - reserve)
         self._charge(st, now, completion_tokens)
 
     @staticmethod
@@ -205,9 +222,16 @@ class LimitsActor:
         prompt_tokens: int,
         max_completion_tokens: int = 0,
         asked: bool = False,
+        min_completion_tokens: int = 1,
     ) -> dict[str, Any]:
         return self.book.admit(
-            key_id, max_concurrent, tokens_per_minute, prompt_tokens, max_completion_tokens, asked
+            key_id,
+            max_concurrent,
+            tokens_per_minute,
+            prompt_tokens,
+            max_completion_tokens,
+            asked,
+            min_completion_tokens,
         )
 
     def release(

@@ -112,8 +112,8 @@ def test_an_expired_lease_still_bills_its_tokens() -> None:
 def test_concurrent_requests_reserve_their_completion_at_admission() -> None:
     """Charging only the prompt at admission let ten concurrent requests of 2 prompt
     tokens and 1,000 max tokens all in under a 600-token budget (10,020 tokens in the
-    minute). Each now reserves its completion's maximum (at most what the budget
-    leaves after its prompt); the release takes the reservation back and bills what
+    minute). Each now reserves its completion's maximum (a default one cut to what the
+    window has left after its prompt); the release takes the reservation back and bills what
     was generated."""
     clock = Clock()
     book = LimitBook(clock=clock)
@@ -123,17 +123,53 @@ def test_concurrent_requests_reserve_their_completion_at_admission() -> None:
     clock.t += 5
     book.release("k", first["lease"], 40)  # it generated 40
     assert book.usage("k")["tokens_last_minute"] == 2 + 40
-    small = [book.admit("k", None, 600, 2, 100) for _ in range(6)]
+    small = [book.admit("k", None, 600, 2, 100, asked=True) for _ in range(6)]
     assert ["lease" in a for a in small] == [True] * 5 + [False]  # 42 + 5 * 102 <= 600
+    # Unasked, the sixth takes the 46 tokens left instead (refunded here).
+    sixth = book.admit("k", None, 600, 2, 100)
+    assert sixth["completion_tokens"] == 46
+    book.release("k", sixth["lease"], 0, refund=True)
     for a in small[:5]:
         book.release("k", a["lease"], 100)
     assert book.usage("k")["tokens_last_minute"] == 42 + 5 * 102
     book.check_integrity()
-    # A reservation the window already dropped is not taken back twice.
+    # A reservation the window already dropped is not taken back twice, and the
+    # completion it covered for a minute is not billed again (it was: 300 + 250).
     late = book.admit("other", None, 600, 10, 300)
     clock.t += WINDOW_S + 1
     book.release("other", late["lease"], 250)
-    assert book.usage("other")["tokens_last_minute"] == 250
+    assert book.usage("other")["tokens_last_minute"] == 0
+    over = book.admit("over", None, 600, 10, 300)
+    clock.t += WINDOW_S + 1
+    book.release("over", over["lease"], 420)  # only what passed the reservation is new
+    assert book.usage("over")["tokens_last_minute"] == 120
+    book.check_integrity()
+
+
+def test_a_default_max_tokens_takes_what_the_window_has_left() -> None:
+    """A request without max_tokens (the ingress passes max_model_len - prompt) reserved
+    the whole budget after its prompt, whatever the window already held: after one chat
+    of 70 tokens, every chat without max_tokens got a 429 for a minute. It now reserves
+    what the window has left (at least what its choices need) and waits only when that
+    is less."""
+    clock = Clock()
+    book = LimitBook(clock=clock)
+    first = book.admit("k", None, 10_000, 20, 32_748)
+    assert first["completion_tokens"] == 9_980
+    clock.t += 3
+    book.release("k", first["lease"], 50)
+    assert book.usage("k")["tokens_last_minute"] == 70
+    second = book.admit("k", None, 10_000, 20, 32_748)
+    assert second["completion_tokens"] == 10_000 - 70 - 20
+    # While it runs nothing is left: the next waits for room for its own choices
+    # (3 choices of min_tokens 2: 6 tokens) and is told when the window has it.
+    third = book.admit("k", None, 10_000, 20, 32_748, min_completion_tokens=6)
+    assert third["reason"] == "tokens" and 0 < third["retry_after_s"] <= WINDOW_S
+    book.release("k", second["lease"], 100)
+    fourth = book.admit("k", None, 10_000, 20, 32_748, min_completion_tokens=6)
+    assert fourth["completion_tokens"] == 10_000 - 70 - 120 - 20
+    # A request that named its max tokens still reserves exactly that.
+    assert book.admit("a", None, 10_000, 20, 500, asked=True)["completion_tokens"] == 500
     book.check_integrity()
 
 
