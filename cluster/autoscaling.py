@@ -11,8 +11,10 @@
 `desired_replicas` is the pure decision (ints and floats in, a Decision out; no Ray):
 
 - demand = every replica's running + waiting requests + the lane's requests now on
-  its spare (traffic the lane could not hold is its demand: a saturated lane scales
-  up instead of living on the spare);
+  its spare + the requests Serve holds at its handles because every replica is at
+  max_ongoing_requests (traffic the lane could not hold is its demand: a saturated
+  lane scales up instead of living on the spare or in Serve's queue); those queued
+  requests count as waiting too;
 - want = ceil(demand / target_ongoing_requests), and one more than now when the
   mean waiting queue or the mean KV usage is above its high mark;
 - a scale-down is only asked while nothing waits, nothing sits on the spare and the
@@ -22,8 +24,10 @@
 - "holding" means Serve's current target, not the replicas running now: Serve
   compares the number returned with its target, so returning the running count
   while a replica starts would ask to cancel it (and, with every replica restarting
-  and none running, to drop straight to min_replicas); a scale-down is only asked
-  while no replica is starting;
+  and none running, to drop straight to min_replicas); while a replica starts, a
+  quiet lane asks for what its demand needs, never fewer than run now (a replica
+  that can never be placed, or fails every start, would otherwise pin the lane at
+  its peak size), and a lane under any pressure holds;
 - the result is clamped to [min_replicas, max_replicas].
 
 Serve applies the delays itself (`AutoscalingConfig.upscale_delay_s`,
@@ -101,6 +105,7 @@ def desired_replicas(
     spare_demand: float,
     targets: Targets,
     target: int | None = None,
+    queued: float = 0.0,
 ) -> Decision:
     """Replicas the lane should run (pure; see the module docstring).
 
@@ -113,28 +118,35 @@ def desired_replicas(
         spare_demand: the lane's requests in flight on its spare (>= 0).
         targets: the lane's bounds and targets.
         target: Serve's current target (running plus starting replicas); None: `current`.
-            A hold returns it, and nothing scales down while it exceeds `current`.
+            A hold returns it; while it exceeds `current` a quiet lane asks for
+            max(its demand's replicas, `current`), cancelling starts it does not need.
+        queued: requests Serve holds at the lane's handles, no replica free (>= 0).
     """
     base = current if target is None else max(current, target)
-    if not loads and spare_demand <= 0 and base > 0:
+    queued = max(0.0, queued)
+    if not loads and spare_demand <= 0 and queued <= 0 and base > 0:
         # Nobody reported: nothing is known about the load, so nothing changes.
         held = min(max(base, targets.min_replicas), targets.max_replicas)
         return Decision(held, "no_metrics" if held == base else "bounds", 0.0)
-    demand = sum(r.running + r.waiting for r in loads) + max(0.0, spare_demand)
+    demand = sum(r.running + r.waiting for r in loads) + max(0.0, spare_demand) + queued
     n = max(len(loads), 1)
-    mean_waiting = sum(r.waiting for r in loads) / n
+    mean_waiting = (sum(r.waiting for r in loads) + queued) / n
     mean_kv = sum(r.kv_usage for r in loads) / n
     by_demand = math.ceil(demand / targets.target_ongoing_requests - 1e-9) if demand else 0
     want, reason = by_demand, "demand"
     # Pressure asks one replica more than run now; one already starting answers it.
-    if loads and mean_waiting > targets.waiting_per_replica_high and want <= current:
+    if mean_waiting > targets.waiting_per_replica_high and want <= current:
         want, reason = max(base, current + 1), "waiting"
     if loads and mean_kv > targets.kv_usage_high and want <= current:
         want, reason = max(base, current + 1), "kv_pressure"
     if want < base:
         quiet = mean_waiting == 0 and spare_demand <= 0 and mean_kv < targets.kv_usage_low
-        # One replica at a time, only when the lane is quiet and no replica is starting.
-        want, reason = (current - 1, "idle") if quiet and base == current else (base, "hold")
+        if not quiet:
+            want, reason = base, "hold"
+        elif base == current:  # one replica at a time
+            want, reason = current - 1, "idle"
+        else:  # quiet while replicas start: keep those the demand needs
+            want, reason = max(want, current), "idle"
     elif want == current:
         reason = "hold"
     bounded = min(max(want, targets.min_replicas), targets.max_replicas)
@@ -167,6 +179,7 @@ def decide_from_metrics(
     max_replicas: int,
     running: Sequence[Any] | None = None,
     target: int | None = None,
+    queued: float = 0.0,
 ) -> Decision:
     """`desired_replicas` from Serve's aggregated metrics ({metric: {replica: value}}).
 
@@ -194,7 +207,7 @@ def decide_from_metrics(
     targets = Targets(min_replicas=min_replicas, max_replicas=max_replicas, **given)
     spare = max((m.get("spare_demand", 0.0) for m in per.values()), default=0.0)
     return desired_replicas(
-        loads, current=current, spare_demand=spare, targets=targets, target=target
+        loads, current=current, spare_demand=spare, targets=targets, target=target, queued=queued
     )
 
 
@@ -211,6 +224,7 @@ def policy(ctx: Any) -> tuple[int, dict[str, Any]]:
         max_replicas=int(ctx.capacity_adjusted_max_replicas),
         running=list(ctx.running_replicas) if ctx.running_replicas is not None else None,
         target=int(ctx.target_num_replicas),
+        queued=float(ctx.total_queued_requests or 0.0),
     )
     state = dict(ctx.policy_state or {})
     state["spur"] = {

@@ -501,7 +501,8 @@ class AutoscalingConfig(_Section):
     window is shorter than 2 s)."""
     target_ongoing_requests: float = Field(16.0, gt=0, le=100_000)
     """Running plus waiting requests per replica the lane aims for, counting the
-    lane's requests on its spare as its own demand. Around scheduler.max_num_seqs."""
+    lane's requests on its spare and those Serve queues for it (every replica at
+    max_ongoing_requests) as its own demand. Around scheduler.max_num_seqs."""
     waiting_per_replica_high: float = Field(2.0, ge=0, le=100_000)
     """Mean waiting (queued, unscheduled) requests per replica above which the lane
     asks for one more replica, whatever target_ongoing_requests says."""

@@ -108,7 +108,7 @@ def test_target_metrics() -> None:
 
 # -- under Serve's wrapper ----------------------------------------------------------------
 def _context(config: Any, metrics: dict[str, dict[str, float]], *, current: int, target: int,
-             state: dict[str, Any], now: float) -> Any:  # fmt: skip
+             state: dict[str, Any], now: float, queued: float = 0.0) -> Any:  # fmt: skip
     from ray.serve._private.common import DeploymentID
     from ray.serve.config import AutoscalingContext
 
@@ -119,8 +119,8 @@ def _context(config: Any, metrics: dict[str, dict[str, float]], *, current: int,
         current_num_replicas=current,
         target_num_replicas=target,
         running_replicas=[f"r{i}" for i in range(current)],
-        total_num_requests=0.0,
-        total_queued_requests=0.0,
+        total_num_requests=queued,
+        total_queued_requests=queued,
         aggregated_metrics=metrics,
         raw_metrics={},
         capacity_adjusted_min_replicas=config.min_replicas,
@@ -215,9 +215,57 @@ def test_a_replica_still_starting_is_not_cancelled(monkeypatch: pytest.MonkeyPat
     assert desired_replicas(
         idle(2), current=2, spare_demand=0, targets=Targets(1, 4), target=2
     ) == (Decision(1, "idle", 0.0))
+
+
+def test_a_replica_that_never_starts_does_not_pin_a_quiet_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While Serve's target exceeded the running replicas, a quiet lane held the target
+    forever: a replica that can never be placed (no node left in the pool, a start that
+    fails every time) kept the lane at its peak, its running replicas idle. A quiet
+    lane now asks for what its demand needs, never fewer than run now; Serve cancels
+    the start after downscale_delay_s of that. Under pressure it still holds."""
     assert desired_replicas(
         idle(1), current=1, spare_demand=0, targets=Targets(1, 4), target=2
-    ) == (Decision(2, "hold", 0.0))
+    ) == (Decision(1, "idle", 0.0))
+    spur_cfg, config, wrapped, clock = _under_serve(monkeypatch, max_replicas=4, target=8)
+    running = ["r0", "r1", "r2"]
+    quiet = {"waiting": dict.fromkeys(running, 0.0), **_targets(spur_cfg, running)}
+    state: dict[str, Any] = {}
+    seen = []
+    for _ in range(21):  # downscale_delay_s is 20
+        n, state = wrapped(_context(config, quiet, current=3, target=4, state=state, now=clock[0]))
+        seen.append(n)
+        clock[0] += 1.0
+    assert seen == [4] * 20 + [3], seen
+
+
+def test_requests_queued_in_serve_are_demand() -> None:
+    """Requests Serve holds at the handles (every replica at max_ongoing_requests) were
+    not read: with max_ongoing_requests at the engines' batch size, running + waiting
+    never passed the target and 400 queued requests left the lane at one replica."""
+    full = [ReplicaLoad(waiting=0, running=16, kv_usage=0.6)]
+    targets = Targets(1, 4, target_ongoing_requests=16)
+    blind = desired_replicas(full, current=1, spare_demand=0, targets=targets)
+    assert (blind.replicas, blind.reason) == (1, "hold")
+    seen = desired_replicas(full, current=1, spare_demand=0, targets=targets, queued=400)
+    assert (seen.replicas, seen.demand) == (4, 416.0)
+    # A few queued requests keep a lane from scaling down, as waiting ones do.
+    two = [ReplicaLoad(waiting=0, running=1), ReplicaLoad(waiting=0, running=1)]
+    assert desired_replicas(two, current=2, spare_demand=0, targets=targets).reason == "idle"
+    held = desired_replicas(two, current=2, spare_demand=0, targets=targets, queued=1)
+    assert (held.replicas, held.reason) == (2, "hold")
+    # Through Serve's context: total_queued_requests reaches the decision.
+    from ray.serve.config import AutoscalingConfig
+
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4)
+    metrics = {
+        "running": {"r0": 16.0},
+        "waiting": {"r0": 0.0},
+        "target_target_ongoing_requests": {"r0": 16.0},
+    }
+    ctx = _context(config, metrics, current=1, target=1, state={}, now=0.0, queued=400.0)
+    assert policy(ctx)[0] == 4
 
 
 def _targets(cfg: Any, replicas: list[str]) -> dict[str, dict[str, float]]:
