@@ -469,7 +469,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # (--address) a worker of that cluster, with the cluster's environment, not this
         # one's. Keys found here mean the API must not run without them there: fail
         # closed (a replica that finds none refuses to start, naming the fix).
-        cfg = apply_overrides(cfg, {"server.auth.require_keys": True})
+        try:
+            cfg = apply_overrides(cfg, {"server.auth.require_keys": True})
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     elif not is_loopback(cfg.server.host):
         print(
             f"spur: warning: serving on {cfg.server.host} without API keys: anyone who can "

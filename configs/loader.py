@@ -395,8 +395,13 @@ def apply_overrides(cfg: SpurConfig, overrides: Mapping[str, Any]) -> SpurConfig
 
 def config_to_dict(cfg: SpurConfig) -> dict[str, Any]:
     """The config as JSON-safe data with every default filled in (what GET
-    /admin/config serves). `parse_config(config_to_dict(cfg)) == cfg`."""
-    return cfg.model_dump(mode="json")
+    /admin/config serves). `parse_config(config_to_dict(cfg)) == cfg`: a lane with
+    autoscaling has no `replicas` (a set `replicas` beside `autoscaling` is refused)."""
+    data = cfg.model_dump(mode="json")
+    for lane in data.get("lanes", ()):
+        if lane.get("autoscaling") is not None:
+            lane.pop("replicas", None)
+    return data
 
 
 def to_yaml(cfg: SpurConfig) -> str:

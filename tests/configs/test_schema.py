@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import BaseModel, ValidationError
 
 from spur.configs import reference
@@ -323,6 +324,23 @@ def test_overrides_make_a_new_validated_config():
         apply_overrides(cfg, {"server.prt": 1})
     with pytest.raises(ConfigError, match=r"lanes\[3\]: no such item"):
         apply_overrides(cfg, {"lanes[3].replicas": 1})
+
+
+def test_an_autoscaling_lane_round_trips_and_takes_overrides(tmp_path):
+    """The dump carried `replicas: 1` beside `autoscaling`, which the loader refuses:
+    `spur serve` with --port (or with API keys found) on an autoscaling lane failed,
+    and `spur config show`'s output did not load back."""
+    data = minimal(lanes=[{"name": "chat", "autoscaling": {"min_replicas": 1, "max_replicas": 3}}])
+    cfg = parse_config(data)
+    assert "replicas" not in config_to_dict(cfg)["lanes"][0]
+    assert parse_config(config_to_dict(cfg)) == cfg
+    new = apply_overrides(cfg, {"server.port": 9001, "server.auth.require_keys": True})
+    assert (new.server.port, new.lanes[0].autoscaling) == (9001, cfg.lanes[0].autoscaling)
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        apply_overrides(cfg, {"lanes[0].replicas": 2})
+    (tmp_path / "auto.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "resolved.yaml").write_text(show(tmp_path / "auto.yaml"))
+    assert load_config(tmp_path / "resolved.yaml") == cfg
 
 
 # -- show and diff -------------------------------------------------------------------
