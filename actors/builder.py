@@ -201,7 +201,7 @@ class EngineArgs:
             if mode == "auto"
             else "engine.model.override_generation_config"
         )
-        gen_config.check_defaults(defaults, source)
+        gen_config.check_defaults(defaults, source, from_file=mode == "auto")
         return defaults
 
     def more_eos_token_ids(self, model_dir: str, primary: int | None) -> tuple[int, ...]:

@@ -210,16 +210,22 @@ def _whole(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def check_defaults(defaults: SamplingDefaults, source: str) -> None:
+def check_defaults(defaults: SamplingDefaults, source: str, from_file: bool = True) -> None:
     """Raise ValueError, naming `source` (where the values came from), the key (as the
     file spells it) and the fix, when a default is not a number or is out of
-    SamplingParams' range."""
+    SamplingParams' range. `from_file`: the model's generation_config.json is among the
+    sources (the fix may be to ignore it)."""
     keys = {param: key for key, param in FIELDS.items()}
+    fix = (
+        "fix them, or set engine.model.generation_config: vllm to ignore the model's file"
+        if from_file
+        else "fix engine.model.override_generation_config"
+    )
 
     def invalid(param: str, why: str) -> ValueError:
         return ValueError(
             f"the sampling defaults from {source} are invalid: {keys.get(param, param)}: {why}; "
-            "fix them, or set engine.model.generation_config: vllm to ignore the model's file"
+            + fix
         )
 
     values = dict(defaults.values)

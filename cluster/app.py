@@ -198,6 +198,20 @@ def refuse_speculation_on_state_models(lanes: list[LaneConfig | SpareConfig]) ->
             )
 
 
+def refuse_bad_generation_overrides(lanes: list[LaneConfig | SpareConfig]) -> None:
+    """Raise ValueError for a lane whose engine.model.override_generation_config holds
+    a value out of its request field's range (temperature -1), which each engine
+    replica would refuse only once Ray runs."""
+    from spur.actors import generation_config as gen_config
+
+    for lane in lanes:
+        overrides = lane.engine.model.override_generation_config
+        if overrides:
+            defaults = gen_config.sampling_defaults({}, "vllm", overrides)
+            source = f"lane {lane.name!r}: engine.model.override_generation_config"
+            gen_config.check_defaults(defaults, source, from_file=False)
+
+
 def build_app(config: SpurConfig) -> Application:
     """The Serve application for `config` (not yet running: `serve.run` it)."""
     engines = {}
@@ -206,6 +220,7 @@ def build_app(config: SpurConfig) -> Application:
     if config.spare is not None:
         lanes.append(config.spare)
     refuse_test_settings(lanes)
+    refuse_bad_generation_overrides(lanes)
     for lane in lanes:
         engines[lane.name] = _engine_deployment(lane, config.router).bind(
             engine_args(lane.engine), lane.name, routing, lane_options(lane)

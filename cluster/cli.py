@@ -447,7 +447,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    from spur.cluster.app import refuse_speculation_on_state_models, refuse_test_settings
+    from spur.cluster.app import (
+        refuse_bad_generation_overrides,
+        refuse_speculation_on_state_models,
+        refuse_test_settings,
+    )
     from spur.cluster.auth import AuthConfigError, AuthGuard, is_loopback
     from spur.cluster.server import run_server
 
@@ -455,6 +459,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         every_lane = [*cfg.lanes, *([cfg.spare] if cfg.spare else [])]
         refuse_test_settings(every_lane)
         refuse_speculation_on_state_models(every_lane)
+        refuse_bad_generation_overrides(every_lane)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

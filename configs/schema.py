@@ -335,7 +335,7 @@ class ParallelConfig(_Section):
     Must divide the model's KV heads (checked when the model loads)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where workers run. Set "cuda" on GPU clusters: only then does Ray reserve a GPU
-    per worker. "auto" reserves none, so inside Ray it means CPU."""
+    per worker. "auto" is CPU everywhere (Ray reserves no GPU for it)."""
 
     @property
     def num_gpus_per_worker(self) -> int:
@@ -444,10 +444,20 @@ class EngineConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
         problems = []
-        if self.parallelism.device == "cpu" and self.runtime.attn_backend == "triton":
+        device = self.parallelism.device
+        if device != "cuda" and self.runtime.attn_backend == "triton":
+            where = "'cpu'" if device == "cpu" else "'auto', which is CPU"
             problems.append(
-                "runtime.attn_backend is 'triton' but parallelism.device is 'cpu': "
-                "Triton has no CPU backend; use 'torch' or 'auto'"
+                f"runtime.attn_backend is 'triton' but parallelism.device is {where}: "
+                "Triton has no CPU backend; use 'torch' or 'auto', or set "
+                "parallelism.device: cuda"
+            )
+        dtype, compute = self.model.dtype, self.model.compute_dtype
+        if dtype != "auto" and compute not in ("auto", "float32", dtype):
+            problems.append(
+                f"model.compute_dtype {compute} with model.dtype {dtype}: the compute dtype is "
+                f"the model's or float32; set model.dtype: {compute} to serve a {compute} "
+                "model, or compute_dtype: auto"
             )
         slots = self.cache.token_slots
         wanted = self.model.max_model_len

@@ -204,6 +204,23 @@ def test_speculation_on_a_hybrid_model_is_refused_before_ray_starts(tmp_path):
         refuse_speculation_on_state_models(lanes)
 
 
+def test_an_override_generation_config_out_of_range_is_refused_before_ray_starts(tmp_path):
+    """Each replica refused it once Ray ran (three builds, a deployment traceback), with
+    a fix that did not apply to an override (ignore the model's file)."""
+    cfg = tmp_path / "ogc.yaml"
+    cfg.write_text(
+        "lanes:\n  - name: chat\n    engine:\n"
+        "      model: {override_generation_config: {temperature: -1}}\n"
+    )
+    res = subprocess.run([*SPUR, "serve", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "lane 'chat': engine.model.override_generation_config" in res.stderr
+    assert "temperature" in res.stderr and "fix engine.model.override_generation_config" in (
+        res.stderr
+    )
+    assert "Started a local Ray instance" not in res.stderr
+
+
 SECRET = "sk-ops-SECRET-0123456789"
 """A key the client commands below are given; it must never reach their output."""
 

@@ -244,11 +244,24 @@ def test_engine_cross_field_rules():
     lines = problems({"lanes": [{"name": "a", "engine": engine}]})
     assert lines == [
         "lanes[0].engine: runtime.attn_backend is 'triton' but parallelism.device is 'cpu': "
-        "Triton has no CPU backend; use 'torch' or 'auto'",
+        "Triton has no CPU backend; use 'torch' or 'auto', or set parallelism.device: cuda",
         "lanes[0].engine: model.max_model_len is 1,000 tokens but cache.num_kv_blocks 10 has "
         "144 token slots (one block is the null block): raise num_kv_blocks to at least 64 or "
         "lower max_model_len",
     ]
+    # Refused at load, not by every replica after Ray started: device auto is CPU, and
+    # a compute dtype narrower than (or beside) the model's.
+    auto = {"runtime": {"attn_backend": "triton"}}
+    (line,) = problems({"lanes": [{"name": "a", "engine": auto}]})
+    assert "parallelism.device is 'auto', which is CPU" in line
+    wide = {"model": {"dtype": "float32", "compute_dtype": "bfloat16"}}
+    (line,) = problems({"lanes": [{"name": "a", "engine": wide}]})
+    assert "model.compute_dtype bfloat16 with model.dtype float32" in line
+    for ok in (
+        {"dtype": "bfloat16", "compute_dtype": "float32"},
+        {"dtype": "auto", "compute_dtype": "bfloat16"},
+    ):
+        parse_config({"lanes": [{"name": "a", "engine": {"model": ok}}]})
 
 
 def test_file_errors(tmp_path):
