@@ -41,6 +41,7 @@ from pydantic import (
     Field,
     StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -188,9 +189,22 @@ def _closest(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _numeric_not_bool(annotation: Any) -> bool:
+    """Whether a field of `annotation` takes numbers and no booleans (int, float, or an
+    optional / annotated / union one of them, without bool)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _numeric_not_bool(get_args(annotation)[0])
+    if origin is not None and origin is not Literal and not isinstance(origin, type):
+        args = [a for a in get_args(annotation) if a is not type(None)]  # a Union
+        return bool(args) and all(_numeric_not_bool(a) for a in args)
+    return annotation in (int, float)
+
+
 class _Section(BaseModel):
     """Base of every config model: unknown keys rejected, docstrings as descriptions,
-    assignments validated (so `cfg.server.port = 0` fails like the file would)."""
+    assignments validated (so `cfg.server.port = 0` fails like the file would), and
+    true / false refused where a number is meant (pydantic would take them as 1 / 0)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -198,6 +212,15 @@ class _Section(BaseModel):
         validate_assignment=True,
         validate_default=False,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _numeric_not_bool(field.annotation):
+                raise ValueError(f"{str(value).lower()} is not a number; give a number")
+        return value
 
 
 # --------------------------------------------------------------------------------------

@@ -137,6 +137,9 @@ def test_unknown_key_without_a_close_match_lists_the_known_keys():
         ({"kv_cache_bytes": 10}, "kv_cache_bytes: must be >= 1MiB (got 10 bytes)"),
         ({"kv_cache_bytes": "2 gigs"}, "kv_cache_bytes: '2 gigs' is not a size"),
         ({"num_kv_blocks": 1}, "lanes[0].engine.cache.num_kv_blocks: must be >= 2 (got 1)"),
+        # YAML's true / false where a number is meant (pydantic took them as 1 / 0)
+        ({"block_size": True}, "block_size: true is not a number; give a number"),
+        ({"gpu_memory_utilization": False}, "gpu_memory_utilization: false is not a number"),
     ],
 )
 def test_type_and_range_errors_name_the_path_and_the_bound(cache, expected):
