@@ -105,9 +105,12 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+    # Keys written in this mapping must be unique; keys a merge (`<<: *base`) brings
+    # in may be overridden by them, so the check runs before the merge is flattened.
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node)
         line = key_node.start_mark.line + 1
         if not isinstance(key, Hashable):
@@ -120,6 +123,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
                 key_node.start_mark,
             )
         seen[key] = line
+    loader.flatten_mapping(node)
     return loader.construct_mapping(node)
 
 

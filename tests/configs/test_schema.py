@@ -281,6 +281,20 @@ def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"line 4, .*'replicas' appears twice \(first on line 3"):
         load_config(dup)
 
+    # A key brought in by a merge (<<: *base) may be overridden; a written one not twice.
+    merged = tmp_path / "merged.yaml"
+    base = "engine: &base\n  cache: {block_size: 32, kv_cache_bytes: 256MiB}\n"
+    lane = "lanes:\n  - name: chat\n    engine:\n      <<: *base\n      cache: {block_size: 16}\n"
+    merged.write_text("x-" + base + lane)
+    with pytest.raises(ConfigError, match="unknown key 'x-engine'"):  # parsed, then checked
+        load_config(merged)
+    from spur.configs.loader import read_yaml
+
+    data = read_yaml(base + lane, "merged.yaml")
+    assert data["lanes"][0]["engine"]["cache"] == {"block_size": 16}
+    with pytest.raises(ConfigError, match="'cache' appears twice"):
+        read_yaml(base + lane + "      cache: {block_size: 8}\n", "merged.yaml")
+
     listed = tmp_path / "list.yaml"
     listed.write_text("- name: chat\n")
     with pytest.raises(ConfigError, match="top level must be a mapping of sections"):
