@@ -50,6 +50,11 @@ def test_a_router_backs_off_while_no_replica_takes_the_request(
 ) -> None:
     index = _Index()
     monkeypatch.setattr(router_mod, "get_index", lambda kwargs=None: index)
+    # Serve pickles a request router class by value; unpickled in a process that has
+    # the module (a driver that ran an app with this router, as an earlier test
+    # does), cloudpickle sets the class's methods to copies whose globals are their
+    # own dict, not the module's: patch the name where the method looks it up.
+    monkeypatch.setitem(cls.initialize_state.__globals__, "get_index", lambda kwargs=None: index)
 
     async def scenario() -> int:
         deployment = DeploymentID(name="engine-chat", app_name="spur")
