@@ -368,6 +368,15 @@ class KVIndexActor:
             "index": self.index.stats(),
         }
 
+    def configure(self, **index_kwargs: Any) -> None:
+        """Apply a deployment's KVIndex settings (`index_kwargs_of`) to the running
+        index: the actor is detached and found by name, so a redeploy with new router
+        settings gets the actor the first deployment created."""
+        for name, value in index_kwargs.items():
+            if name not in CONFIGURABLE:
+                raise ValueError(f"KVIndex setting {name!r} is unknown: use {CONFIGURABLE}")
+            setattr(self.index, name, float(value))
+
     def holders(self, lane: str, chain: list[BlockHash]) -> dict[str, int]:
         """Matched blocks of `chain` per replica of `lane` (for tests and debugging)."""
         return {
@@ -377,11 +386,17 @@ class KVIndexActor:
         }
 
 
+CONFIGURABLE = ("heartbeat_timeout_s", "healthy_after_s")
+"""The KVIndex settings a deployment's router config sets (`index_kwargs_of`)."""
+
+
 def get_index(index_kwargs: dict[str, Any] | None = None) -> Any:
     """The deployment's index actor, created on first use (on the head node, so that
-    losing a worker node does not lose it)."""
+    losing a worker node does not lose it). Non-empty `index_kwargs` are applied to an
+    actor that already runs (a redeploy with changed router settings), before any
+    later call of this caller's."""
     remote = ray.remote(KVIndexActor)
-    return remote.options(  # type: ignore[attr-defined]
+    actor = remote.options(  # type: ignore[attr-defined]
         name=INDEX_NAME,
         namespace=INDEX_NAMESPACE,
         get_if_exists=True,
@@ -394,6 +409,9 @@ def get_index(index_kwargs: dict[str, Any] | None = None) -> Any:
         max_concurrency=1,
         resources={"node:__internal_head__": 0.001},
     ).remote(**(index_kwargs or {}))
+    if index_kwargs:
+        actor.configure.remote(**index_kwargs)
+    return actor
 
 
 def kill_index() -> None:

@@ -415,6 +415,8 @@ class KVIndex:
             "sequence_gaps": self.num_gaps,
             "snapshots": self.num_snapshots,
             "event_lag_s": self.last_event_lag_s,
+            "heartbeat_timeout_s": self.heartbeat_timeout_s,
+            "healthy_after_s": self.healthy_after_s,
         }
 
 

@@ -279,6 +279,8 @@ def test_lane_report_and_stats_fields(t):
         "sequence_gaps",
         "snapshots",
         "event_lag_s",
+        "heartbeat_timeout_s",
+        "healthy_after_s",
     }
     assert idx.stats()["replicas"] == 2
     assert idx.stats()["hashes"] == 2

@@ -636,6 +636,26 @@ def test_a_replica_that_fails_on_every_start_is_marked_down(env: Env) -> None:
         serve.delete("broken", _blocking=False)
 
 
+def test_a_redeploys_router_settings_reach_the_running_index(env: Env) -> None:
+    """The index actor is detached and found by name: a redeploy (a RayService update,
+    `spur serve --address` after a server that died without stopping) with new router
+    settings ran with the first deployment's heartbeat timeout and failover delay."""
+    from spur.cluster.routing.index_actor import get_index
+
+    first = env.routing()["index"]
+    kept = {k: first[k] for k in ("heartbeat_timeout_s", "healthy_after_s")}
+    try:
+        index = get_index({"heartbeat_timeout_s": 30.0, "healthy_after_s": 60.0})
+        report = asyncio.run(_remote(index.metrics.remote()))  # after configure: one caller
+        assert (report["index"]["heartbeat_timeout_s"], report["index"]["healthy_after_s"]) == (
+            30.0,
+            60.0,
+        )
+    finally:
+        asyncio.run(_remote(get_index(kept).metrics.remote()))
+    assert {k: env.routing()["index"][k] for k in kept} == kept
+
+
 def test_zz_stopping_on_a_joined_cluster_leaves_other_applications(env: Env) -> None:
     """`spur serve --ray-address ...` shares the cluster's Serve: on shutdown it deletes
     its own application and actors, not another team's application. (Last in this
