@@ -212,6 +212,32 @@ def refuse_bad_generation_overrides(lanes: list[LaneConfig | SpareConfig]) -> No
             gen_config.check_defaults(defaults, source, from_file=False)
 
 
+def refuse_bad_backend_override(lanes: list[LaneConfig | SpareConfig]) -> str | None:
+    """Check SPUR_ATTENTION_BACKEND (which overrides every lane's runtime.attn_backend
+    in the workers) against the lanes: raise ValueError for an unknown name, or for
+    triton where a lane does not run on CUDA (unless TRITON_INTERPRET=1), which every
+    replica would refuse only once Ray runs. Returns the override (None: unset)."""
+    from spur.configs import env
+
+    override = env.attention_backend_override()
+    if override is None:
+        return None
+    choice = override.strip().lower()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(
+            f"SPUR_ATTENTION_BACKEND {override!r} is unknown: use one of auto, torch, triton, "
+            "or unset it"
+        )
+    if choice == "triton" and not env.triton_interpret():
+        off_cuda = [lane.name for lane in lanes if lane.engine.parallelism.device != "cuda"]
+        if off_cuda:
+            raise ValueError(
+                f"SPUR_ATTENTION_BACKEND is 'triton' but lanes {off_cuda} do not run on CUDA "
+                "(parallelism.device): unset it or set it to torch"
+            )
+    return choice
+
+
 def build_app(config: SpurConfig) -> Application:
     """The Serve application for `config` (not yet running: `serve.run` it)."""
     engines = {}

@@ -448,6 +448,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     from spur.cluster.app import (
+        refuse_bad_backend_override,
         refuse_bad_generation_overrides,
         refuse_speculation_on_state_models,
         refuse_test_settings,
@@ -460,8 +461,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         refuse_test_settings(every_lane)
         refuse_speculation_on_state_models(every_lane)
         refuse_bad_generation_overrides(every_lane)
+        backend = refuse_bad_backend_override(every_lane)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if backend is not None:
+        print(
+            f"spur: SPUR_ATTENTION_BACKEND={backend} overrides every lane's "
+            "runtime.attn_backend (in the workers of this machine's cluster; on a joined "
+            "cluster, set it where the workers run)",
+            file=sys.stderr,
+        )
 
     try:  # the ingress's own check (require_keys included), here before Ray starts
         keys = AuthGuard.from_config(cfg.server.auth.model_dump()).store

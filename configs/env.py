@@ -29,8 +29,9 @@ def is_ci() -> bool:
 
 
 def attention_backend_override() -> str | None:
-    """`SPUR_ATTENTION_BACKEND` (torch | triton) forces a backend over the config."""
-    value = os.environ.get("SPUR_ATTENTION_BACKEND")
+    """`SPUR_ATTENTION_BACKEND` (auto | torch | triton) forces a backend over the
+    config; None when unset or blank."""
+    value = os.environ.get("SPUR_ATTENTION_BACKEND", "").strip()
     return value or None
 
 

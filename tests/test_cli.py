@@ -221,6 +221,18 @@ def test_an_override_generation_config_out_of_range_is_refused_before_ray_starts
     assert "Started a local Ray instance" not in res.stderr
 
 
+def test_a_bad_attention_backend_override_is_refused_before_ray_starts(tmp_path):
+    """SPUR_ATTENTION_BACKEND overrides every lane's backend in the workers: a typo, or
+    triton on a CPU lane, passed spur serve and failed in every replica."""
+    for value, expected in (
+        ("trition", "SPUR_ATTENTION_BACKEND 'trition' is unknown"),
+        ("triton", "SPUR_ATTENTION_BACKEND is 'triton' but lanes ['chat'] do not run on CUDA"),
+    ):
+        res = run_env({"SPUR_ATTENTION_BACKEND": value}, "serve", "local")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert expected in res.stderr, res.stderr
+
+
 SECRET = "sk-ops-SECRET-0123456789"
 """A key the client commands below are given; it must never reach their output."""
 
