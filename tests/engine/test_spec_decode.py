@@ -281,3 +281,73 @@ def test_metrics_count_drafts_and_render_under_vllms_names():
     assert found["vllm:spec_decode_num_draft_tokens_total"] == s.num_draft_tokens
     assert found["vllm:spec_decode_num_accepted_tokens_total"] == s.num_accepted_tokens
     assert found["vllm:spec_decode_num_drafts_total"] == s.num_drafts
+
+
+def test_drafts_never_preempt_a_request_whose_real_token_fits():
+    """A request's drafts took slots like real tokens: with the pool full, a request
+    whose next real token fitted its block preempted the last admitted one (here one
+    token from its end) to make room for drafts that were then all rejected. It now
+    runs without its drafts when only they do not fit."""
+
+    def rejecting(tokens: list[int]) -> int:
+        if tokens[:3] == [1, 2, 3] and len(tokens) == 9:
+            return 1  # A continues its pattern: drafts 2 3 1 2 follow ...
+        return 90 + len(tokens) % 7  # ... and are all rejected
+
+    results = []
+    for spec in (False, True):
+        kv = KVCacheConfig(block_size=4, num_blocks=6, groups=(FULL,))  # 5 usable blocks
+        spec_cfg = SpeculativeConfig(4, prompt_lookup_min=1, prompt_lookup_max=3)
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=64,
+                max_num_seqs=4,
+                max_model_len=20,
+                long_prefill_token_threshold=0,
+                policy="fcfs",
+                check_kv_bounds=True,
+                speculative=spec_cfg if spec else None,
+            ),
+            kv,
+        )
+        core = EngineCore(sched, FakeExecutor(kv, vocab_size=1000, model=rejecting))
+        greedy = SamplingParams(max_tokens=8, temperature=0)
+        core.add_request(sched.make_request("A", [1, 2, 3] * 3, greedy))
+        core.add_request(
+            sched.make_request(
+                "B", list(range(11, 18)), SamplingParams(max_tokens=2, temperature=0)
+            )
+        )
+        out: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for o in core.step()[0]:
+                out.setdefault(o.req_id, []).extend(o.new_token_ids)
+            sched.check_integrity()
+        assert_all_free(sched)
+        results.append((out, sched.total_preemptions))
+    assert results[1] == results[0] and results[1][1] == 0
+
+
+def test_drafts_leave_one_token_of_the_budget_for_every_later_running_request():
+    """Running requests are served in admission order, each taking 1 + k tokens: under
+    a small budget the first ones' drafts used it all, and the last running request got
+    no token for ten steps in a row. Drafts now leave one token for each request after."""
+    core, sched = make(True, budget=8)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    for i in range(3):  # three heavy drafters (the cycle: every draft right)
+        core.add_request(sched.make_request(f"r{i}", [*range(CYCLE), i], params))
+    while len(sched.running) < 3 or any(r.num_computed_tokens == 0 for r in sched.running):
+        core.step()
+    idle = dict.fromkeys(("r0", "r1", "r2"), 0)
+    worst = 0
+    while core.has_unfinished_requests():
+        outputs, _ = core.step()
+        served = {o.req_id for o in outputs if o.new_token_ids}
+        for rid in idle:
+            if any(r.request_id == rid for r in sched.running) or rid in served:
+                idle[rid] = 0 if rid in served else idle[rid] + 1
+                worst = max(worst, idle[rid])
+        sched.check_integrity()
+    assert worst == 0, idle
+    assert sched.spec_stats.num_accepted_tokens > 0  # drafting went on
+    assert_all_free(sched)

@@ -8,6 +8,10 @@ first (in admission order), then waiting ones. Chunked prefill is the budget
 running out mid-prompt; a prefix hit starts `num_computed_tokens` above zero;
 preemption (by recompute) resets it to zero.
 
+Draft tokens (speculative decoding) are optional work: a request's drafts take only
+the budget that leaves one token for every running request after it, and a request
+whose drafts do not fit the pool runs without them rather than preempt anyone.
+
 When `allocate_slots` fails, a victim is preempted: under FCFS the most recently
 admitted running request, under "priority" the one with the largest (priority,
 arrival). Its blocks go back at once and it re-enters the front of the waiting
@@ -294,7 +298,17 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            real = req.num_tokens - req.num_computed_tokens
+            if num_new > real > 0:
+                # Drafts take only the budget that leaves one token for every running
+                # request after this one (else a few drafting requests starve the rest).
+                later = len(self.running) - i - 1
+                num_new = real + max(0, min(num_new - real, budget - real - later))
             blocks = kv.allocate_slots(req, num_new, lookahead)
+            if blocks is None and num_new > real > 0:
+                # No room for the drafts: run without them rather than preempt anyone.
+                num_new = real
+                blocks = kv.allocate_slots(req, num_new, lookahead)
             while blocks is None:
                 victim = self._pick_victim()
                 preempted = True
