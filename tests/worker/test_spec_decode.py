@@ -196,6 +196,51 @@ def test_smollm2_greedy_is_identical_with_and_without_speculation():
     assert all(c.num_draft_tokens == 0 for c in outs["plain"])
 
 
+@pytest.mark.slow
+def test_generated_tokens_metrics_leave_out_drafts_past_a_stop_string():
+    """A stop string completed inside a step's accepted drafts: the client gets the ids
+    up to it, but vllm:generation_tokens and the per-request histograms counted the
+    step's ids past it too (11 where the client got 10)."""
+    import asyncio
+
+    from spur.actors.engine.shell.async_engine import AsyncEngine
+    from spur.actors.engine.shell.metrics import EngineMetrics
+    from spur.actors.engine.shell.output_processor import Delta
+    from spur.actors.llm import LLM
+
+    torch.set_num_threads(1)
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", block_size=4, num_speculative_tokens=4)
+    repeat = llm.chat_prompt(
+        [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
+    )
+    ids = llm.encode(repeat)
+    params = SamplingParams(max_tokens=40, temperature=0, stop=("where snow",))
+
+    async def main() -> tuple[list[int], EngineMetrics]:
+        metrics = EngineMetrics(max_model_len=llm.scheduler.config.max_model_len)
+        engine = AsyncEngine(
+            llm.engine, llm.tokenizer, eos_token_id=llm.eos_token_ids[0], metrics=metrics
+        )
+        final = None
+        try:
+            async for item in engine.generate("r", ids, params):
+                if not isinstance(item, Delta):
+                    final = item
+        finally:
+            await engine.shutdown()
+        assert final is not None and final.outputs[0].finish_reason == "stop"
+        return final.outputs[0].token_ids, metrics
+
+    try:
+        got, metrics = asyncio.run(main())
+        llm.scheduler.check_integrity()
+    finally:
+        llm.shutdown()
+    assert metrics.spec_accepted_tokens > 0
+    assert metrics.generation_tokens == len(got)
+    assert metrics.histograms["vllm:request_generation_tokens"].sum == len(got)
+
+
 def test_sampled_requests_verify_drafts_on_a_tiny_model(tiny_model_dir):
     """Random (seeded) and greedy requests drafting side by side in one batch on
     the real worker: every request gets its full length, drafts were verified

@@ -528,7 +528,12 @@ class AsyncEngine:
             self.scheduler.finish_requests(update.to_finish, RequestStatus.FINISHED_STOPPED)
         if self.metrics is not None:
             self.metrics.on_step(
-                outputs, stats, self.scheduler, started=started, reasons=update.finish_reasons
+                outputs,
+                stats,
+                self.scheduler,
+                started=started,
+                reasons=update.finish_reasons,
+                kept=update.kept,
             )
             for rid in update.to_finish:
                 self.metrics.finish(rid, "stop")

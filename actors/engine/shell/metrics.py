@@ -258,12 +258,15 @@ class EngineMetrics:
         scheduler: Any,
         started: float | None = None,
         reasons: Mapping[str, str] | None = None,
+        kept: Mapping[str, int] | None = None,
     ) -> None:
         """After one step: `outputs` are its EngineCoreOutputs, `stats` its
         SchedulerStats, `scheduler` the engine's Scheduler (read only), `started` the
         clock before the step (when its requests were scheduled; default now).
         `reasons`: finish reasons that replace an output's own (the client was told
-        "stop" where the engine ended at "length": `Update.finish_reasons`)."""
+        "stop" where the engine ended at "length": `Update.finish_reasons`). `kept`:
+        the ids an output kept where a stop string cut it (`Update.kept`; accepted
+        drafts past the stop are not generated tokens)."""
         now = self.clock()
         scheduled_at = now if started is None else started
         requests = self._requests
@@ -287,7 +290,11 @@ class EngineMetrics:
         step_generated = 0
         for out in outputs:
             t = requests.get(out.req_id)
-            n = len(out.new_token_ids)
+            n = (
+                len(out.new_token_ids)
+                if kept is None
+                else kept.get(out.req_id, len(out.new_token_ids))
+            )
             step_generated += n
             if t is None:
                 continue

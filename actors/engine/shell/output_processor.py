@@ -40,6 +40,9 @@ class Update:
     # whose client was told another ("stop": a stop string on the last allowed
     # token): the reason the metrics must count.
     finish_reasons: dict[str, str] = field(default_factory=dict)
+    # Engine request ids whose step's ids were cut at a stop string (accepted drafts
+    # past it are not output) -> the ids kept: what the metrics count as generated.
+    kept: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,6 +150,7 @@ class OutputProcessor:
                     # are not output: the same ids as without speculation.
                     new_ids = new_ids[:used]
                     new_logprobs = new_logprobs[:used] if new_logprobs else new_logprobs
+                    update.kept[eo.req_id] = used
                     finish_reason, stop_reason = "stop", detok.stopped_by
                     if not eo.finished:
                         update.to_finish.append(eo.req_id)
