@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spur.actors import generation_config as gen_config
-from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, build_groups
+from spur.actors.cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec, build_groups
 from spur.actors.engine.core.capacity import context_tokens
 from spur.actors.engine.core.engine_core import EngineCore
 from spur.actors.engine.core.kv_cache_manager import KVCacheConfig
-from spur.actors.engine.core.scheduler import Scheduler, SchedulerConfig
+from spur.actors.engine.core.scheduler import (
+    SPECULATION_ON_STATE_MODELS,
+    Scheduler,
+    SchedulerConfig,
+)
 from spur.actors.engine.core.spec_decode import SpeculativeConfig
 from spur.actors.engine.shell.metrics import break_retirement
 from spur.actors.generation_config import SamplingDefaults
@@ -263,6 +267,9 @@ def build_engine(
     executor = executor_factory(args.worker_config())
     try:
         info: ModelInfo = executor.collective_rpc("load_model")[0]
+        groups = cache_groups(info)
+        if args.speculative() is not None and any(isinstance(g.spec, StateSpec) for g in groups):
+            raise ValueError(SPECULATION_ON_STATE_MODELS)  # before the pool takes memory
         num_blocks = args.num_kv_blocks
         if num_blocks is None:
             num_blocks = min(
@@ -276,7 +283,6 @@ def build_engine(
         sampling_defaults = args.sampling_defaults(info.model_dir)
         more_eos = args.more_eos_token_ids(info.model_dir, info.eos_token_id)
         executor.collective_rpc("initialize_cache", (num_blocks,))
-        groups = cache_groups(info)
         kv_config = KVCacheConfig(
             block_size=args.block_size,
             num_blocks=num_blocks,

@@ -269,3 +269,16 @@ def test_sampled_requests_verify_drafts_on_a_tiny_model(tiny_model_dir):
     stats = llm.scheduler.spec_stats
     assert stats.num_draft_tokens > 0
     assert sum(c.num_draft_tokens for c in comps) == stats.num_draft_tokens
+
+
+def test_speculation_on_a_hybrid_model_is_refused_before_its_pool_is_allocated(caplog):
+    """The scheduler refused it, but only after the whole KV + state pool was allocated
+    (on a GPU, ~90% of its memory before the error, again at every Serve retry)."""
+    import logging
+
+    from spur.actors.llm import LLM
+
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="cannot be rolled back"):
+        LLM("hybrid-tiny", num_speculative_tokens=2, kv_cache_bytes=64 * 2**20)
+    assert "loaded" in caplog.text  # the model was loaded ...
+    assert "state pool" not in caplog.text  # ... and no pool allocated

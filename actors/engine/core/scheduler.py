@@ -45,6 +45,14 @@ from spur.actors.step import (
 
 logger = logging.getLogger(__name__)
 
+SPECULATION_ON_STATE_MODELS = (
+    "speculative decoding is not supported for models with recurrent-state layers (hybrid "
+    "models such as Qwen3-Next / Qwen3.5): their states cannot be rolled back past "
+    "rejected drafts yet; unset engine.speculative"
+)
+"""The error for speculation on a model with state groups (the scheduler's, and the
+builder's as soon as the model is loaded, before its pool is allocated)."""
+
 
 class RequestRejected(ValueError):
     """A request the engine can never serve; the message names the fix."""
@@ -126,11 +134,7 @@ class Scheduler:
         self.proposer: NgramProposer | None = None
         if config.speculative is not None:
             if kv_config.has_state_groups:
-                raise ValueError(
-                    "speculative decoding is not supported for models with recurrent-state "
-                    "layers (hybrid models such as Qwen3-Next / Qwen3.5): their states cannot "
-                    "be rolled back past rejected drafts yet; unset engine.speculative"
-                )
+                raise ValueError(SPECULATION_ON_STATE_MODELS)
             self.proposer = NgramProposer(config.speculative)
         self.spec_stats = SpecStats()
         """Verify steps since the engine started (all requests)."""
