@@ -14,11 +14,13 @@ from pathlib import Path
 def cache_dir() -> Path:
     """Where converted models and other derived artefacts are kept.
 
-    `SPUR_CACHE_DIR`, else `$XDG_CACHE_HOME/spur`, else `~/.cache/spur`.
+    `SPUR_CACHE_DIR`, else `$XDG_CACHE_HOME/spur`, else `~/.cache/spur`; always an
+    absolute path (`~` expanded; a relative one is taken from the working directory of
+    the process that reads it, and Ray workers run elsewhere: give an absolute one).
     """
-    explicit = os.environ.get("SPUR_CACHE_DIR")
+    explicit = os.environ.get("SPUR_CACHE_DIR", "").strip()
     if explicit:
-        return Path(explicit)
+        return Path(explicit).expanduser().resolve()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg) / "spur" if xdg else Path.home() / ".cache" / "spur"
 

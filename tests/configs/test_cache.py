@@ -51,3 +51,16 @@ def test_the_lock_excludes_other_processes_and_dies_with_its_holder(tmp_path):
     with cache.lock(path):  # and the helper itself takes it
         assert not _free(path)
     assert _free(path)
+
+
+def test_the_cache_dir_variable_expands_the_home_and_is_absolute(monkeypatch, tmp_path):
+    """SPUR_CACHE_DIR=~/spur-cache was a folder named '~' under each process's working
+    directory."""
+    from spur.configs import env
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SPUR_CACHE_DIR", "~/spur-cache ")
+    assert env.cache_dir() == tmp_path / "spur-cache"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPUR_CACHE_DIR", "rel")
+    assert env.cache_dir() == tmp_path.resolve() / "rel"
