@@ -276,13 +276,14 @@ _BOUND_OPS = {
 }
 
 
-def _describe(err: Any, size: bool) -> Iterator[str]:
+def _describe(err: Any, size: bool, secret: bool = False) -> Iterator[str]:
     """The message(s) for one pydantic error, without the path; `size`: the field is a
-    byte size, so bounds show as "1MiB"."""
+    byte size, so bounds show as "1MiB"; `secret`: the value may be a key pasted in the
+    wrong place, so it is never shown."""
     kind = err["type"]
     ctx = err.get("ctx") or {}
     value = err.get("input")
-    got = f" (got {_show(value)})"
+    got = "" if secret else f" (got {_show(value)})"
     if kind in _BOUND_OPS:
         op, key = _BOUND_OPS[kind]
         bound = ctx[key]
@@ -340,7 +341,8 @@ def format_errors(exc: ValidationError) -> list[str]:
             )
             lines.append(f"{path}: unknown key {str(key)!r}{hint}")
             continue
-        for message in _describe(err, size=_is_size_field(loc)):
+        secret = loc[:2] == ("server", "auth")  # its values are named, never shown
+        for message in _describe(err, size=_is_size_field(loc), secret=secret):
             if is_key:
                 message = f"key {message}"
             if not path:

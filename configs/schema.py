@@ -720,6 +720,17 @@ class AuthConfig(_Section):
     """Environment variable holding the keys file's text (the Helm chart exports
     SPUR_API_KEYS from its `apiKeys` Secret). Unset or empty variable: no keys from it.
     Null: do not read the environment."""
+
+    @field_validator("keys_env")
+    @classmethod
+    def _a_name_not_a_key(cls, name: str | None) -> str | None:
+        if name is not None and (name.lower().startswith(("sk-", "sk_")) or len(name) > 64):
+            raise ValueError(
+                "looks like an API key, not the name of an environment variable: give the "
+                f"variable's name (default {API_KEYS_ENV}) and put the keys in it"
+            )
+        return name
+
     keys_file: str | None = Field(None, min_length=1)
     """Path of a keys file, read by the ingress at start (keys from `keys_env` and this
     file are merged). Null: none."""

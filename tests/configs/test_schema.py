@@ -456,3 +456,13 @@ def test_readme_reference_is_current():
     assert reference.main(["--check", str(readme)]) == 0, (
         "run: python -m spur.configs.reference --write README.md"
     )
+
+
+def test_a_key_pasted_as_keys_env_is_refused_and_never_shown():
+    """A key given where the variable's name belongs was echoed in the error, or (made
+    of name characters) accepted, printed in the effective configuration, served by
+    /admin/config and quoted in the require_keys error."""
+    for key in ("sk-live-9f8e7d6c5b4a", "sk_live_9f8e7d6c5b4a", "K" * 65):
+        (line,) = problems(minimal(server={"auth": {"keys_env": key}}))
+        assert line.startswith("server.auth.keys_env: ") and key not in line, line
+    assert parse_config(minimal(server={"auth": {"keys_env": "MY_KEYS"}})).server.auth.keys_env
