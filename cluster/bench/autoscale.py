@@ -6,8 +6,10 @@ Reported (JSON):
     scale_up_s          load step -> the second replica has served a request
     goal_scale_up_s     the configured upscale_delay_s + one engine start (the first
                         replica's start, measured in the same run)
-    node_terminated_s   load end -> the extra worker node is gone
-    replica_down_s      load end -> the lane is back to one replica
+    node_terminated_s   high load's end (the step down to `low`) -> the extra worker
+                        node is gone
+    replica_down_s      high load's end -> the lane is back to one replica (the
+                        scale-down starts there: `low` streams fit one replica)
     requests, failed    every request of the run; failed must be 0
     to_spare            requests the lane sent to a spare (none configured: 0)
     replica_seconds     integral of the lane's replicas over the load window, against
@@ -306,10 +308,13 @@ class LaneWatcher:
                     )
                 self._stop.wait(self.period_s)
 
-    def wait(self, pred: Any, timeout_s: float) -> Sample | None:
-        """The first new sample with pred(sample) within `timeout_s`, else None."""
+    def wait(self, pred: Any, timeout_s: float, since: float | None = None) -> Sample | None:
+        """The first sample with pred(sample) within `timeout_s`, else None: among new
+        samples, or with `since` (a monotonic time) among those taken since then too."""
         deadline = time.monotonic() + timeout_s
         seen = len(self.samples)
+        if since is not None:
+            seen = next((i for i, s in enumerate(self.samples) if s.t >= since), seen)
         while time.monotonic() < deadline:
             for s in self.samples[seen:]:
                 if pred(s):
@@ -375,12 +380,14 @@ def run(
         t_up = up.t if up else None
         time.sleep(high_hold_s)
         load.set(low, "low2")
+        t_low2 = time.monotonic()
         time.sleep(low_s)
         load.set(0, "end")
         t_end = time.monotonic()
         load.stop()
-        down = watcher.wait(lambda s: s.replicas <= 1, timeout_s)
-        gone = watcher.wait(lambda s: s.worker_nodes <= 1, timeout_s)
+        # The scale-down may be over before the load ends: look from the step down.
+        down = watcher.wait(lambda s: s.replicas <= 1, timeout_s, since=t_low2)
+        gone = watcher.wait(lambda s: s.worker_nodes <= 1, timeout_s, since=t_low2)
         events = routing_events(serve.url)
         watcher.stop()
         window = [s for s in watcher.samples if t_load <= s.t <= (down.t if down else t_end)]
@@ -403,8 +410,8 @@ def run(
             "upscale_delay_s": upscale_delay_s,
             "scale_up_s": round(t_up - t_step, 1) if t_up else None,
             "goal_scale_up_s": round(upscale_delay_s + cold_start_s, 1),
-            "replica_down_s": round(down.t - t_end, 1) if down else None,
-            "node_terminated_s": round(gone.t - t_end, 1) if gone else None,
+            "replica_down_s": round(down.t - t_low2, 1) if down else None,
+            "node_terminated_s": round(gone.t - t_low2, 1) if gone else None,
             "requests": len(outcomes),
             "failed": len(failed),
             "failures": [o.error for o in failed[:5]],
