@@ -152,9 +152,21 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     return path.resolve()
 
 
+CONVERSION_VERSION = 1
+"""Bumped when `convert_gguf` changes what it writes, so that a folder converted by an
+older spur is not reused."""
+
+
 def _gguf_cache_key(gguf: Path) -> str:
+    """The GGUF file (path, size, mtime), the conversion code's version and transformers'
+    (which dequantizes it)."""
+    import transformers
+
     st = gguf.stat()
-    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    ident = (
+        f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}|"
+        f"{transformers.__version__}"
+    )
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 

@@ -15,6 +15,7 @@ weights around their identity, GDN decays varied per head.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -176,6 +177,20 @@ def _draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return normal(0.0, max(0.05, 1.0 / fan_in**0.5))
 
 
+BUILD_VERSION = 1
+"""Bumped when `build_random_model` or `_draw` changes what a preset's weights are, so
+that a cache built by an older spur is not reused."""
+
+
+def _build_key(preset: str, tokenizer: str | None) -> str:
+    """A short digest of what a cached random model is made of: the preset's fields,
+    the build code's version, and the tokenizer source."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown random model {preset!r}; known: {sorted(PRESETS)}")
+    what = json.dumps([PRESETS[preset], BUILD_VERSION, tokenizer], sort_keys=True, default=str)
+    return hashlib.sha256(what.encode()).hexdigest()[:10]
+
+
 def ensure_random_model(
     preset: str, *, seed: int = 0, tokenizer: str | None = None, root: Path | None = None
 ) -> Path:
@@ -184,7 +199,7 @@ def ensure_random_model(
     `tokenizer`: a model folder or demo name whose tokenizer files are copied in
     (the hybrid-tiny preset uses SmolLM2's, whose vocabulary it matches).
     """
-    name = f"random-{preset}-seed{seed}" + ("-tok" if tokenizer else "")
+    name = f"random-{preset}-seed{seed}-{_build_key(preset, tokenizer)}"
     models = (root or env.cache_dir()) / "models"
     target = models / name
     if (target / "config.json").is_file():

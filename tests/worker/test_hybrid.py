@@ -12,6 +12,7 @@ so a near-tie would fail loudly as such, not as a wrong token.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -343,3 +344,20 @@ def test_a_repeated_prompt_hits_all_but_its_last_block_also_when_aligned(prompt_
             cached += [o.num_cached_tokens for o in outputs if o.finished]
             sched.check_integrity()
     assert cached == [0, (prompt_len - 1) // 16 * 16]
+
+
+def test_a_cached_random_model_is_keyed_by_its_definition(monkeypatch, tmp_path):
+    """The cache folder was named by preset and seed only: after a preset changed (an
+    upgrade, or nodes of two versions on one shared cache) the old weights were reused,
+    and nodes could serve different models under one name."""
+    from spur.actors.worker import random_models
+
+    first = random_models.ensure_random_model("hybrid-tiny", root=tmp_path)
+    assert random_models.ensure_random_model("hybrid-tiny", root=tmp_path) == first
+    changed = {**random_models.PRESETS["hybrid-tiny"], "rms_norm_eps": 1e-5}
+    monkeypatch.setitem(random_models.PRESETS, "hybrid-tiny", changed)
+    second = random_models.ensure_random_model("hybrid-tiny", root=tmp_path)
+    assert second != first
+    assert json.loads((second / "config.json").read_text())["rms_norm_eps"] == 1e-5
+    monkeypatch.setattr(random_models, "BUILD_VERSION", random_models.BUILD_VERSION + 1)
+    assert random_models._build_key("hybrid-tiny", None) not in str(second)
