@@ -130,10 +130,9 @@ def engine_config(**flat: Any) -> EngineConfig:
     try:
         return EngineConfig.model_validate(tree)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        raise ValueError(f"invalid engine arguments: {problems}") from None
+        from spur.configs.loader import format_errors  # the config file's wording
+
+        raise ValueError(f"invalid engine arguments: {'; '.join(format_errors(exc))}") from None
 
 
 DEFAULTS_FILE = Path(__file__).resolve().parent / "engine_defaults.json"

@@ -320,14 +320,27 @@ def _describe(err: Any, size: bool, secret: bool = False) -> Iterator[str]:
         yield f"{err['msg'][0].lower()}{err['msg'][1:]}{got}"
 
 
+_NUMBER_BRANCHES = ("int", "float", "none")
+"""pydantic's names of the branches of an `int | float | None` union in an error's path."""
+
+
 def format_errors(exc: ValidationError) -> list[str]:
-    """One line per problem of a SpurConfig validation, each "PATH: what is wrong"."""
+    """One line per problem of a SpurConfig validation, each "PATH: what is wrong".
+    A value that fits no branch of a number union (int | float) is one problem, "must be
+    a number", not one per branch under the branch's name."""
     lines = []
+    numbers: set[tuple[Any, ...]] = set()
     for err in exc.errors(include_url=False):
         kind = err["type"]
         if kind == "default_factory_not_called":  # a consequence of another error
             continue
         loc = tuple(err["loc"])
+        if loc and loc[-1] in _NUMBER_BRANCHES and kind.endswith("_type"):
+            loc = loc[:-1]
+            if loc in numbers:
+                continue
+            numbers.add(loc)
+            err = {**err, "type": "float_type"}
         is_key = bool(loc) and loc[-1] == "[key]"
         if is_key:
             loc = loc[:-1]

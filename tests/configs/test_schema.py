@@ -466,3 +466,21 @@ def test_a_key_pasted_as_keys_env_is_refused_and_never_shown():
         (line,) = problems(minimal(server={"auth": {"keys_env": key}}))
         assert line.startswith("server.auth.keys_env: ") and key not in line, line
     assert parse_config(minimal(server={"auth": {"keys_env": "MY_KEYS"}})).server.auth.keys_env
+
+
+def test_errors_of_number_unions_and_flat_engine_arguments_read_like_the_files():
+    """A value that fits no branch of `int | float` was two problems under the branch
+    names (`temperature.int: must be an integer`, `temperature.float: ...`), and
+    LLM(...)'s errors were pydantic's raw text ("invalid engine arguments: : Value error,
+    ...")."""
+    from spur.configs.engine_args import engine_config
+
+    ogc = {"engine": {"model": {"override_generation_config": {"temperature": "0.7"}}}}
+    assert problems(minimal(lanes=[{"name": "a", **ogc}])) == [
+        "lanes[0].engine.model.override_generation_config.temperature: must be a number (got '0.7')"
+    ]
+    with pytest.raises(ValueError) as info:
+        engine_config(num_kv_blocks=2, max_model_len=100)
+    assert str(info.value).startswith("invalid engine arguments: model.max_model_len is 100")
+    with pytest.raises(ValueError, match=r"arguments: model.max_num_seqs|scheduler.max_num_seqs"):
+        engine_config(max_num_seqs=0)
