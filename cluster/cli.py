@@ -96,20 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lane", default=None, help="the lane of --config (default: the first)")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=_positive, default=128)
-    gen.add_argument("--min-tokens", type=int, default=0)
+    gen.add_argument("--max-tokens", type=_positive, default=128, help="default 128")
+    gen.add_argument("--min-tokens", type=int, default=0, help="default 0")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
+    gen.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="default 0.0 (off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1.0 (off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="default 0.0 (off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="default 0.0 (off)")
+    gen.add_argument("--seed", type=int, default=None, help="default: none (unseeded)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument(
-        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: engine.model.dtype)"
+        "--dtype",
+        default=None,
+        help="auto | float32 | bfloat16 | float16 (default: engine.model.dtype)",
     )
     gen.add_argument(
         "--tensor-parallel-size",
