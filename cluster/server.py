@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -172,6 +173,35 @@ def stop(cfg: SpurConfig, wait: bool = True) -> None:
             ray.shutdown()
 
 
+def deploy_error(exc: BaseException, details: list[str] | None = None) -> str:
+    """The reason for Serve's "Deploying application ... failed" error `exc`: the last
+    exception line of the tracebacks in it or in `details` (its deployments' status
+    messages; a replica's `ModelLoadError: ...`, which names the fix), else its first
+    line."""
+    texts = [*(details or ()), str(exc)]
+    lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", line)]
+    return raised[-1] if raised else (lines[-1] if lines else type(exc).__name__)
+
+
+def _deployment_messages() -> list[str]:
+    """The status messages of spur's deployments that did not come up ([] when Serve
+    cannot say)."""
+    try:
+        from ray import serve
+
+        app = serve.status().applications.get(APP_NAME)
+        if app is None:
+            return []
+        return [
+            d.message
+            for d in app.deployments.values()
+            if d.message and str(d.status) not in ("HEALTHY", "DeploymentStatus.HEALTHY")
+        ]
+    except Exception:  # the report is a courtesy: never hide the failure behind another
+        return []
+
+
 def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
     """Serve until SIGINT / SIGTERM. Returns the process exit status.
 
@@ -207,6 +237,16 @@ def run_server(cfg: SpurConfig, announce: Callable[[str], Any] = print) -> int:
                 raise
             logger.warning("stopped while the application was deploying")
             return 0
+        except RuntimeError as exc:
+            if not str(exc).startswith("Deploying application"):
+                raise
+            # Serve's messages hold the replicas' whole tracebacks: one line instead.
+            logger.error(
+                "the application failed to deploy: %s; stopping (the replicas' tracebacks "
+                "are above)",
+                deploy_error(exc, _deployment_messages()),
+            )
+            return 1
         finally:
             deploying = False
         take_signals()

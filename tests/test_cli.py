@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from spur.actors.ports import free_port
+
 SPUR = [sys.executable, "-m", "spur.cluster.cli"]
 
 
@@ -231,6 +233,25 @@ def test_a_bad_attention_backend_override_is_refused_before_ray_starts(tmp_path)
         res = run_env({"SPUR_ATTENTION_BACKEND": value}, "serve", "local")
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert expected in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_a_deployment_that_fails_ends_spur_serve_with_its_reason(tmp_path):
+    """Serve's "Deploying application spur failed: Failed to update the deployments"
+    ended spur serve in a Python traceback naming no reason (the replicas' errors only
+    in Ray's log lines above it). It is now one line with the replica's error, exit 1."""
+    cfg = tmp_path / "missing.yaml"
+    missing = tmp_path / "no-such-model"
+    cfg.write_text(
+        f"lanes:\n  - name: chat\n    engine:\n      model: {{path: {missing}}}\n"
+        f"server: {{port: {free_port()}}}\n"
+    )
+    res = subprocess.run([*SPUR, "serve", str(cfg)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-3000:]
+    (line,) = [x for x in res.stderr.splitlines() if "the application failed to deploy" in x]
+    assert f"ModelLoadError: model '{missing}' does not exist" in line, line
+    after = res.stderr.split(line)[-1].splitlines()
+    assert not any(x.startswith("Traceback") for x in after), after  # none of spur serve's
 
 
 SECRET = "sk-ops-SECRET-0123456789"
