@@ -226,16 +226,25 @@ def model_not_found(name: str, available: list[str] | tuple[str, ...]) -> Protoc
     )
 
 
-def queue_full(retry_after_s: float) -> ProtocolError:
+def queue_full(
+    retry_after_s: float, *, lane: str | None = None, max_queued: int | None = None
+) -> ProtocolError:
     """A 429 when the queue of pending requests is full; carries a Retry-After
-    header (whole seconds, at least 1) telling the client when to try again."""
+    header (whole seconds, at least 1) telling the client when to try again.
+
+    With `lane` and `max_queued` (the lane's `lanes[].max_queued_requests`, when the
+    caller knows which bound it hit) the message names the limit and the settings
+    that raise it; without them (Serve's back-pressure, whose bound is Serve's) it
+    says only that the server is at capacity."""
     seconds = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
-    return ProtocolError(
-        429,
-        f"the server is at capacity (request queue full): retry after {seconds} s",
-        code="queue_full",
-        headers={"Retry-After": str(seconds)},
-    )
+    if lane is not None and max_queued is not None:
+        message = (
+            f"lane {lane!r} holds its max_queued_requests ({max_queued:,}): retry after "
+            f"{seconds} s, or raise lanes[].max_queued_requests or autoscaling.max_replicas"
+        )
+    else:
+        message = f"the server is at capacity (request queue full): retry after {seconds} s"
+    return ProtocolError(429, message, code="queue_full", headers={"Retry-After": str(seconds)})
 
 
 def service_unavailable(message: str, retry_after_s: float | None = None) -> ProtocolError:
@@ -246,13 +255,25 @@ def service_unavailable(message: str, retry_after_s: float | None = None) -> Pro
     return ProtocolError(503, message, code="service_unavailable", headers=headers)
 
 
+SHUTTING_DOWN_CODE = "shutting_down"
+"""`code` of the 503 a draining server gives new requests (`readiness.shutting_down`),
+and of the error item that ends a stream no other replica can continue during
+shutdown. Not retried."""
+
+
 def engine_error(item: dict[str, Any], *, chat: bool = False) -> ProtocolError:
     """An engine stream's error item ({"status", "message", "param", "code"?}) as the
     error the client gets, wherever in the stream it came: a 503 like every other
-    (code service_unavailable, Retry-After; a drain's internal code is not shown), a
-    prompt over max_model_len as context_length_exceeded, and for chat a prompt's
-    param named `messages`."""
+    (code service_unavailable, Retry-After 1 s; a drain's internal code is not shown)
+    except one that ends a stream during shutdown, which keeps its code
+    `shutting_down` (Retry-After 5 s: retry against another instance), a prompt over
+    max_model_len as context_length_exceeded, and for chat a prompt's param named
+    `messages`."""
     if item["status"] == 503:
+        if item.get("code") == SHUTTING_DOWN_CODE:
+            return ProtocolError(
+                503, item["message"], code=SHUTTING_DOWN_CODE, headers={"Retry-After": "5"}
+            )
         return service_unavailable(item["message"], 1.0)
     param = item.get("param")
     code = item.get("code")

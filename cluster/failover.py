@@ -34,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from spur.cluster.errors import ProtocolError, engine_error, queue_full, service_unavailable
 from spur.cluster.lanes import Lane, LaneMonitor
-from spur.cluster.readiness import CountedStream, shutting_down
+from spur.cluster.readiness import SHUTTING_DOWN_CODE, CountedStream, shutting_down
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,26 @@ REPLICA_GONE = frozenset(
 )
 
 
+DRAIN_CODE = "draining"
+"""`code` of the error item a replica removed on purpose (scale-down, shutdown) ends or
+refuses a request with (`actors.engine.shell.actor.DRAIN_CODE`): never a failure."""
+
+SPARE_CONTEXT_CODE = "spare_context_length_exceeded"
+"""`code` of the 503 for a prompt the lane accepts but its spare, which serves the lane
+for now, cannot (a shorter max_model_len): retry once the lane is back, not now."""
+
+MAX_DRAINED_OPENS = 8
+"""Drain refusals one open of a request may meet before it gives up with a 503: they
+do not count against `max_attempts`, so this bounds them instead."""
+
+_NOT_RETRIED = frozenset({"queue_full", SHUTTING_DOWN_CODE, SPARE_CONTEXT_CODE})
+
+
 def is_retriable(exc: BaseException) -> bool:
     """A failure of the replica rather than of the request: its actor died or is
-    unreachable, or its engine died (503)."""
+    unreachable, or its engine died or drains (503)."""
     if isinstance(exc, ProtocolError):
-        return exc.status == 503 and exc.code not in ("queue_full", "shutting_down")
+        return exc.status == 503 and exc.code not in _NOT_RETRIED
     return any(c.__name__ in REPLICA_GONE for c in type(exc).__mro__)
 
 
@@ -113,24 +129,42 @@ class EngineStream:
         self._note(first)
         return first
 
-    async def _open(self, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    async def _open(
+        self, payload: dict[str, Any], first_attempt: int = 0
+    ) -> tuple[Any, dict[str, Any]]:
         """Open `payload` on the lane, retrying while the request's failure budget
-        lasts (the caller checks that some is left)."""
+        lasts (the caller checks that some is left); returns (stream, first item).
+
+        The opener sees attempt numbers from `first_attempt` on: 0 for a request's
+        first open, 1 for a continuation, which is a re-open after a failure (the
+        opener then refreshes the lane view, fails over, and checks the drain, as it
+        does for every retry). Each retriable failure costs one of `max_attempts` and
+        counts a `replica_failed` event; a drain refusal (code `draining`) costs
+        none, up to MAX_DRAINED_OPENS of them. Raises the request's own errors
+        (`is_retriable` False: a 400, a 429, shutting_down) as they are, else a 503
+        that names the attempts and the last failure."""
         last: BaseException | None = None
-        attempt = 0
-        while self.failures < self.max_attempts:
+        attempt = 0  # this call's opens so far: the backoff and the retry event
+        drained = 0
+        while self.failures < self.max_attempts and drained <= MAX_DRAINED_OPENS:
             self.attempts += 1
             if attempt:
-                self.on_event("retry", None)
+                if not self.generated:  # spur:retries: re-opens before a first token
+                    self.on_event("retry", None)
                 await asyncio.sleep(self.backoff_s * attempt)
             try:
-                return await self.opener(payload, attempt)
+                return await self.opener(payload, attempt + first_attempt)
             except Exception as exc:
                 if not is_retriable(exc):
                     raise
                 last = exc
-                self.failures += 1
                 attempt += 1
+                if isinstance(exc, ProtocolError) and exc.code == DRAIN_CODE:
+                    drained += 1  # removed on purpose: not a failure
+                else:
+                    self.failures += 1
+                    # The opener reported the replica (it knows its id) to the index.
+                    self.on_event("replica_failed", None)
                 logger.warning(
                     "request %s attempt %d failed: %s", payload["request_id"], attempt, exc
                 )
@@ -213,21 +247,28 @@ class EngineStream:
             "resumed_chars": self.streamed_chars,
         }
         payload.pop("block_hashes", None)  # the opener hashes the new prompt
-        if not planned:
-            self.on_event("failover", self.replica_id)
         try:
-            self.gen, first = await self._open(payload)
+            # A retry: the lane view is refreshed, a dead lane fails over to its spare,
+            # and a draining server ends the stream (shutting_down) at once.
+            self.gen, first = await self._open(payload, first_attempt=1)
         except ProtocolError as exc:
             return self._error(
                 f"the replica serving this stream failed after {done} tokens ({why}) and no "
-                f"other replica could continue it: {exc.message}"
+                f"other replica could continue it: {exc.message}",
+                code=exc.code if exc.code == SHUTTING_DOWN_CODE else None,
             )
+        self.on_event("failover", self.replica_id)  # spur:stream_continuations
         self._note(first)
         return first
 
-    def _error(self, message: str) -> dict[str, Any]:
+    def _error(self, message: str, code: str | None = None) -> dict[str, Any]:
+        """The 503 error item that ends this stream; `code` only for shutting_down
+        (`errors.engine_error` passes it on to the client)."""
         self.finished = self.ended = True
-        return {"type": "error", "status": 503, "message": message, "param": None}
+        item = {"type": "error", "status": 503, "message": message, "param": None}
+        if code is not None:
+            item["code"] = code
+        return item
 
     def cancel(self) -> None:
         if self.gen is not None:
@@ -257,8 +298,15 @@ class LaneOpener:
     tokenizer pool: hashing a long prompt); `send(target, payload)` starts the
     streamed `generate` call on the target lane's deployment and returns its
     response generator. Raises `ProtocolError`: 503 (retriable, see
-    `is_retriable`) when the target fails or moves away before the first item,
-    429 `queue_full` on back pressure, or the engine's own error (400, ...).
+    `is_retriable`; code `draining` for a replica removed on purpose) when the target
+    fails or moves away before the first item, 429 `queue_full` on back pressure, a
+    503 `spare_context_length_exceeded` (not retried) for a prompt the lane accepts
+    but its spare, serving it now, cannot, or the engine's own error (400, ...). A
+    stream it raises for is cancelled first (a spare's stream stops counting in the
+    lane's spare demand at once).
+
+    One opener per `EngineStream`: it counts the request's first open on the spare
+    as its one `fallback` event (spur:spare_fallbacks counts requests, not opens).
     """
 
     def __init__(
@@ -275,6 +323,7 @@ class LaneOpener:
         self.chat = chat
         self.off_loop = off_loop
         self.send = send
+        self.fell_back = False  # this request was counted in spur:spare_fallbacks
 
     async def __call__(self, payload: dict[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
         monitor, lane, selector = self.monitor, self.lane, self.monitor.selector
@@ -290,7 +339,12 @@ class LaneOpener:
             name = selector.target(lane.name)
         target = monitor.lanes[name]
         if name != lane.name:
-            monitor.index.count.remote(lane.name, "fallback")
+            n = len(payload["prompt_token_ids"])
+            if 0 < target.max_model_len <= n < lane.max_model_len:  # the spare's, learned
+                raise self._spare_too_short(name, n, target.max_model_len)
+            if not self.fell_back:
+                self.fell_back = True
+                monitor.index.count.remote(lane.name, "fallback")
         if target.caching and payload.get("block_hashes") is None:
             payload = {
                 **payload,
@@ -317,12 +371,17 @@ class LaneOpener:
         try:
             first = first_task.result()
         except StopAsyncIteration:
+            _cancel(gen)
             raise service_unavailable("the engine closed the stream without answering") from None
         except Exception as exc:
+            _cancel(gen)
             if is_back_pressure(exc):
                 raise queue_full(1.0) from None
             raise
         if first["type"] == "error":
+            _cancel(gen)  # before raising: the exception may outlive the request
+            if name != lane.name:
+                self._check_spare_context(name, payload, first)
             self._raise_engine_error(first)
         return gen, first
 
@@ -364,8 +423,59 @@ class LaneOpener:
                 since = None
 
     def _raise_engine_error(self, first: dict[str, Any]) -> None:
-        """The engine's error item (its first) as the ProtocolError the client gets."""
-        draining = first.get("code") == "draining"  # planned removal: no failure
+        """The engine's error item (its first) as the ProtocolError the client gets; a
+        drain's keeps its code `draining` (EngineStream does not count it as a
+        failure; it never reaches the client as it is, being retried)."""
+        draining = first.get("code") == DRAIN_CODE  # planned removal: no failure
         if first.get("status") == 503 and first.get("replica_id") and not draining:
             self.monitor.index.report_failure.remote(first["replica_id"])
-        raise engine_error(first, chat=self.chat)
+        exc = engine_error(first, chat=self.chat)
+        if draining and first.get("status") == 503:
+            exc.code = DRAIN_CODE
+        raise exc
+
+    def _check_spare_context(
+        self, spare: str, payload: dict[str, Any], first: dict[str, Any]
+    ) -> None:
+        """Raise the 503 of `_spare_too_short` when the spare's error item is its
+        max_model_len refusal (scheduler.validate_prompt's 400) of a prompt the lane
+        itself accepts; remember the spare's limit (its `Lane.max_model_len`), so that
+        later prompts over it are refused without a round trip. Returns for any
+        other error."""
+        if first.get("status") != 400 or first.get("param") != "prompt":
+            return
+        found = _MAX_LEN.search(str(first.get("message", "")))
+        n = len(payload["prompt_token_ids"])
+        if found is None or not n < self.lane.max_model_len:
+            return
+        limit = int(found.group(1).replace(",", ""))
+        self.monitor.lanes[spare].max_model_len = limit
+        raise self._spare_too_short(spare, n, limit)
+
+    def _spare_too_short(self, spare: str, n: int, limit: int) -> ProtocolError:
+        """The 503 for a prompt of `n` tokens that the lane accepts but its spare
+        `spare` (max_model_len `limit`), which serves the lane for now, cannot: a
+        temporary condition of the failover, not the client's fault."""
+        # The lane returns to its primaries once they have been usable this long.
+        retry_s = max(5.0, self.monitor.selector.healthy_after_s)
+        exc = service_unavailable(
+            f"lane {self.lane.name!r} is served by its spare {spare!r} for now, whose "
+            f"max_model_len is {limit:,}: the prompt's {n:,} tokens fit the lane's own "
+            f"{self.lane.max_model_len:,} (prompt plus at least one generated token) but not "
+            "the spare's; retry once the lane is back on its primaries (Retry-After), or "
+            f"send a prompt under {limit:,} tokens",
+            retry_s,
+        )
+        exc.code = SPARE_CONTEXT_CODE
+        return exc
+
+
+_MAX_LEN = re.compile(r"max_model_len is ([\d,]+)")
+"""The engine's limit in its max_model_len refusal (scheduler.validate_prompt's text)."""
+
+
+def _cancel(gen: Any) -> None:
+    """Cancel an engine stream the opener gives up on (a `CountedStream` also stops
+    counting), ignoring a stream that already ended."""
+    with contextlib.suppress(Exception):
+        gen.cancel()

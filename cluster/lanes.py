@@ -11,9 +11,10 @@ primaries are unusable, and back once they have been usable for
 `healthy_after_s` without a break (hysteresis: a flapping node does not bounce
 traffic). Saturated primaries stay the target while the spare has no healthy
 replica (they still queue a request, which a dead spare would hold until it gave up),
-and a lane on its spare for saturation comes back at once when the spare loses its
-last one. A lane without a spare always targets its primaries; with none healthy,
-its requests fail after their attempts with a 503.
+and a lane on its spare comes back at once, without the hysteresis, when the spare has
+no healthy replica left while its primaries are usable (whether it moved for
+saturation or because they were down). A lane without a spare always targets its
+primaries; with none healthy, its requests fail after their attempts with a 503.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ class LaneSelector:
                 continue
             if st.on_spare:
                 st.usable_since = now if st.usable_since is None else st.usable_since
-                if now - st.usable_since >= self.healthy_after_s:
-                    st.on_spare, st.reason = False, "primary"
+                # A spare with no healthy replica left would hold the lane's requests
+                # (and /health would still say ok): the usable primaries win at once.
+                if view.spare_healthy == 0 or now - st.usable_since >= self.healthy_after_s:
+                    st.on_spare, st.reason, st.usable_since = False, "primary", None
                     switched.append((lane, "primary"))
         for lane, reason in switched:
             st = self.state[lane]
@@ -157,7 +160,9 @@ class Lane:
     """What the ingress knows of one lane's (or the spare's) engines: its Serve
     handle, how it hashes blocks, and (filled on first use by the ingress) its
     tokenizer, max_model_len and requests' sampling defaults (the model's
-    generation_config). `healthy` is written by `LaneMonitor`."""
+    generation_config; of a spare, only its max_model_len, learned by the failover
+    opener from its first refusal of a prompt over it). `healthy` is written by
+    `LaneMonitor`."""
 
     def __init__(self, name: str, handle: Any, cache: dict[str, Any]) -> None:
         self.name = name
@@ -168,6 +173,9 @@ class Lane:
         self.max_model_len = 0
         self.sampling_defaults = SamplingDefaults()
         self.limits_from_spare = False  # max_model_len and defaults: the spare's, for now
+        # (tokenizer folder, model folder) of the spare the tokenizer came from, until
+        # a primary answers (the ingress then checks the spare's vocabulary).
+        self.spare_source: tuple[str, str] | None = None
         self.relearn: asyncio.Future[None] | None = None  # the ingress's re-read in flight
         self.relearn_after = 0.0  # monotonic time of the next re-read try
         self.lock = asyncio.Lock()
@@ -215,11 +223,17 @@ class LaneMonitor:
             await asyncio.sleep(period_s)
 
     async def refresh(self) -> None:
-        """A `poll()` round now, shared by every caller while it runs. A retry calls
-        it before choosing where to go: the index then has the failures this ingress
-        reported before it (the index runs one call at a time, in the order each
-        caller sent them), so a lane whose replicas just failed moves to its spare
-        for that retry instead of at the loop's next round."""
+        """Returns once a `poll()` round that started after this call has run (rounds
+        are shared by the callers that wait for them). A retry calls it before
+        choosing where to go: the index then has the failures this ingress reported
+        before it (the index runs one call at a time, in the order each caller sent
+        them), so a lane whose replicas just failed moves to its spare for that retry
+        instead of at the loop's next round. A round already in flight at the call
+        sent its calls before the caller's report, so its answer may predate it: the
+        caller waits for it to end, then joins (or starts) the next one. Cancelling
+        the caller does not cancel a round."""
+        if self._round is not None:
+            await asyncio.shield(self._round)
         if self._round is None:
             self._round = asyncio.ensure_future(self._poll_round())
         await asyncio.shield(self._round)

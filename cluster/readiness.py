@@ -20,11 +20,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from spur.cluster.errors import ProtocolError
-
-SHUTTING_DOWN_CODE = "shutting_down"
-"""`code` of the 503 a draining server gives new requests, and of the error item that
-ends a stream no other replica can continue during shutdown. Not retried."""
+from spur.cluster.errors import SHUTTING_DOWN_CODE, ProtocolError
 
 
 def shutting_down(reason: str) -> ProtocolError:
