@@ -333,7 +333,7 @@ class Ingress:
             # Cold start: hold the request until an engine of the lane (or its spare)
             # answers, or the client gives up (its disconnect cancels this wait).
             if self.holding[lane.name] >= self.hold_limit[lane.name]:
-                raise queue_full(2.0)
+                raise queue_full(2.0, lane=lane.name, max_queued=self.hold_limit[lane.name])
             self.holding[lane.name] += 1
             try:
                 async with lane.lock:
@@ -346,10 +346,14 @@ class Ingress:
         return name, lane
 
     def _relearn_soon(self, lane: Lane, retry_s: float = 2.0) -> None:
-        """The lane's max_model_len and sampling defaults came from its spare (the
-        primaries were down at its first request): read them from a primary in the
-        background, one try at a time and at most one every `retry_s`, until one
-        answers. Requests meanwhile keep the spare's."""
+        """The lane's tokenizer, max_model_len and sampling defaults came from its
+        spare (the primaries were down at its first request): read them from a
+        primary in the background, one try at a time and at most one every
+        `retry_s`, until one answers. Requests meanwhile keep the spare's. Once a
+        primary answers, its tokenizer becomes the lane's (the cached token bytes of
+        the spare's are dropped) and the spare's vocabulary is checked against it
+        as `_init_lane` does: another one disables the fallback. A failed read
+        (the tokenizer files, say) leaves the spare's in place for the next try."""
         now = time.monotonic()
         if lane.relearn is not None or now < lane.relearn_after:
             return
@@ -358,15 +362,44 @@ class Ingress:
         async def relearn() -> None:
             try:
                 stats = await self._stats(lane.name, 5.0, quiet=True)
-                if stats is not None:
-                    _learn_limits(lane, stats, from_spare=False)
-                    logger.info(
-                        "lane %r: limits and sampling defaults read from its engines", lane.name
-                    )
+                if stats is None:
+                    return
+                tok_dir = stats.get("tokenizer_dir") or stats["model_dir"]
+                tokenizer = await self._engine_tokenizer(lane.name, tok_dir)
+                spare_tokenizer, lane.tokenizer = lane.tokenizer, tokenizer
+                self._token_bytes.pop(id(spare_tokenizer), None)
+                spare = self.selector.spare_of.get(lane.name)
+                if spare and lane.spare_source is not None:
+                    spare_dir, spare_model = lane.spare_source
+                    if spare_dir != tok_dir:
+                        self._check_spare_vocab(
+                            lane, spare, spare_tokenizer, spare_model, stats["model_dir"]
+                        )
+                _learn_limits(lane, stats, from_spare=False)
+                lane.spare_source = None
+                logger.info(
+                    "lane %r: tokenizer, limits and sampling defaults read from its engines",
+                    lane.name,
+                )
+            except Exception as exc:  # retried by the next request after retry_s
+                logger.warning("lane %r: reading its engines' model failed: %r", lane.name, exc)
             finally:
                 lane.relearn = None
 
         lane.relearn = asyncio.ensure_future(relearn())
+
+    def _check_spare_vocab(
+        self, lane: Lane, spare: str, spare_tokenizer: Any, spare_model: str, lane_model: str
+    ) -> None:
+        """Disable `lane`'s fallback to `spare` when the spare's tokenizer has another
+        vocabulary than the lane's (`lane.tokenizer`): token ids travel between them."""
+        if spare_tokenizer.get_vocab() != lane.tokenizer.get_vocab():
+            self.selector.disable_spare(
+                lane.name,
+                f"spare {spare!r} ({spare_model}) has another vocabulary than "
+                f"the lane's model ({lane_model}): fallback disabled; give the "
+                "spare a model with the same tokenizer",
+            )
 
     async def _stats(
         self, name: str, timeout_s: float = 10.0, *, quiet: bool = False
@@ -381,9 +414,10 @@ class Ingress:
     async def _init_lane(self, lane: Lane) -> None:
         """Learn a lane's model (tokenizer, max_model_len, sampling defaults) from its
         engines, or from its spare when the primaries are down (waiting until one
-        answers, or the server drains; `_relearn_soon` then reads the primaries' limits
-        once they answer); check that the spare tokenizes the same way (token ids
-        travel between them), else disable its fallback."""
+        answers, or the server drains; `_relearn_soon` then reads the primaries' model
+        once they answer, and checks the spare's vocabulary then); check that the spare
+        tokenizes the same way (token ids travel between them), else disable its
+        fallback."""
         spare = self.selector.spare_of.get(lane.name)
         while True:
             stats, spare_stats = await asyncio.gather(
@@ -415,15 +449,13 @@ class Ingress:
         assert source is not None
         lane.tokenizer = await self._engine_tokenizer(source, tok_dir)
         spare_tok = (spare_stats or {}).get("tokenizer_dir") or (spare_stats or {}).get("model_dir")
+        # Learned from the spare: `_relearn_soon` checks its vocabulary once a primary answers.
+        lane.spare_source = (tok_dir, own["model_dir"]) if stats is None else None
         if spare and stats and spare_stats and spare_tok != tok_dir:
             other = await self._engine_tokenizer(spare, spare_tok)
-            if other.get_vocab() != lane.tokenizer.get_vocab():
-                self.selector.disable_spare(
-                    lane.name,
-                    f"spare {spare!r} ({spare_stats['model_dir']}) has another vocabulary than "
-                    f"the lane's model ({stats['model_dir']}): fallback disabled; give the "
-                    "spare a model with the same tokenizer",
-                )
+            self._check_spare_vocab(
+                lane, spare, other, spare_stats["model_dir"], stats["model_dir"]
+            )
 
     async def _engine_tokenizer(self, name: str, tok_dir: str) -> Any:
         """The tokenizer of deployment `name`'s engines, whose folder is `tok_dir` on

@@ -15,7 +15,7 @@ import pytest
 
 from spur.actors.generation_config import SamplingDefaults
 from spur.cluster.ingress import Ingress
-from spur.cluster.lanes import Lane
+from spur.cluster.lanes import Lane, LaneSelector
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,15 @@ def _fake_ingress(answers: dict[str, Any]) -> Any:
         return answers[name]
 
     fake = types.SimpleNamespace(
-        selector=types.SimpleNamespace(spare_of={"chat": "spare"}), draining=None, _stats=_stats
+        selector=LaneSelector(
+            ["chat"], spare_of={"chat": "spare"}, saturation={}, healthy_after_s=1
+        ),
+        draining=None,
+        _stats=_stats,
+        _token_bytes={},
     )
     fake._relearn_soon = lambda lane, retry_s=2.0: Ingress._relearn_soon(fake, lane, retry_s)
+    fake._check_spare_vocab = lambda *args: Ingress._check_spare_vocab(fake, *args)
     # the real method: the tokenizer folders are on this node, so no engine is asked
     fake._engine_tokenizer = lambda name, tok_dir: Ingress._engine_tokenizer(fake, name, tok_dir)
     return fake
