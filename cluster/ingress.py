@@ -43,6 +43,7 @@ from spur.cluster import api_requests as rq
 from spur.cluster import api_responses as rs
 from spur.cluster import metrics as M
 from spur.cluster.auth import AuthGuard, AuthMiddleware, Principal, install_guard, request_salt
+from spur.cluster.cors import CORSGate, install_origins
 from spur.cluster.errors import (
     ERROR_CODE_HEADER,
     ProtocolError,
@@ -98,6 +99,7 @@ def _openapi() -> dict[str, Any]:
 _OPENAPI: dict[tuple[str, ...], dict[str, Any]] = {}
 app.openapi = _openapi  # type: ignore[method-assign]
 app.add_middleware(M.CountingMiddleware)  # HTTP counters for /metrics (cluster/metrics.py)
+app.add_middleware(CORSGate)  # outermost: preflights are answered before the key check
 
 
 # -- module helpers ---------------------------------------------------------------------
@@ -312,6 +314,8 @@ class Ingress:
         self.max_body_bytes = int(limits_cfg.get("max_body_bytes", 4 * 1024**2))
         self.max_prompts = int(limits_cfg.get("max_prompts", 64))
         self.stream_buffer = int(limits_cfg.get("stream_buffer", 64))
+        self.cors_origins = tuple(limits_cfg.get("cors_allowed_origins", ()))
+        install_origins(self.cors_origins)
         self.pool = ThreadPoolExecutor(
             max_workers=int(limits_cfg.get("tokenizer_threads", 2)),
             thread_name_prefix="spur-tokenize",

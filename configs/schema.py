@@ -783,6 +783,13 @@ class RequestsConfig(_Section):
     stream_buffer: int = Field(64, ge=1, le=100_000)
     """Engine items buffered per streamed prompt in the ingress; a slow client makes the
     engine stream wait (back-pressure) instead of growing this buffer."""
+    cors_allowed_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = Field(
+        default_factory=list
+    )
+    """Origins a browser may call the API from (CORS), as "https://app.example.com" or
+    "http://localhost:3000"; "*" for any (vLLM's default). Empty: no CORS headers, so
+    browsers refuse calls from pages of other origins (server-side clients are not
+    affected). API keys are still checked on every call but the preflight."""
 
 
 class ServerConfig(_Section):

@@ -741,6 +741,10 @@ OUTSIDE: dict[str, tuple[Any, Callable[[Any], tuple[Any, Any]]]] = {
     "server.requests.max_prompts": (5, lambda o: (o.ingress.max_prompts, 5)),
     "server.requests.tokenizer_threads": (3, lambda o: (o.ingress.pool._max_workers, 3)),
     "server.requests.stream_buffer": (11, lambda o: (o.ingress.stream_buffer, 11)),
+    "server.requests.cors_allowed_origins": (
+        ["http://app.example"],
+        lambda o: (o.ingress.cors_origins, ("http://app.example",)),
+    ),
 }
 
 

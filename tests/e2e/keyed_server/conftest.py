@@ -51,6 +51,10 @@ KEYS_TEXT = yaml.safe_dump(
 )
 
 
+CORS_ORIGIN = "http://app.example:3000"
+"""The one origin browsers may call the keyed server from."""
+
+
 class KeyedServer(Launched):
     """The server with API keys (`keyed_server`)."""
 
@@ -66,7 +70,11 @@ class KeyedServer(Launched):
 def keyed_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KeyedServer]:
-    data = server_data([tiny_lane(tiny_model_dir, "tiny")], num_cpus=4)
+    data = server_data(
+        [tiny_lane(tiny_model_dir, "tiny")],
+        num_cpus=4,
+        requests={"cors_allowed_origins": [CORS_ORIGIN]},
+    )
     work = tmp_path_factory.mktemp("e2e-keyed")
     with running(data, work, {"SPUR_API_KEYS": KEYS_TEXT}) as srv:
         server = KeyedServer(**vars(srv))

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from e2e.keyed_server.conftest import KEYS, KeyedServer
+from e2e.keyed_server.conftest import CORS_ORIGIN, KEYS, KeyedServer
 
 pytestmark = pytest.mark.slow
 
@@ -311,3 +311,30 @@ def test_keys_never_appear_in_answers(keyed_server: KeyedServer) -> None:
             assert not any(key in r.text for key in KEYS.values()), path
         dumped = json.dumps(ops.get("/admin/config").json())
         assert "SPUR_API_KEYS" in dumped
+
+
+def test_browsers_of_the_allowed_origin_may_call_the_api(keyed_server: KeyedServer) -> None:
+    """server.requests.cors_allowed_origins: a preflight (no key: browsers send none
+    with it) is answered for the listed origin and refused for another; answers carry
+    the origin, refusals included, so the page can read the error and Retry-After."""
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    with keyed_server.client(None) as anon, keyed_server.client("alice") as alice:
+        ok = anon.options("/v1/chat/completions", headers={"Origin": CORS_ORIGIN, **preflight})
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["access-control-allow-origin"] == CORS_ORIGIN
+        assert "POST" in ok.headers["access-control-allow-methods"]
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        other = anon.options("/v1/models", headers={"Origin": "http://evil.example", **preflight})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        refused = anon.get("/v1/models", headers={"Origin": CORS_ORIGIN})
+        error_of(refused, 401)  # the key is still checked
+        assert refused.headers["access-control-allow-origin"] == CORS_ORIGIN
+        models = alice.get("/v1/models", headers={"Origin": CORS_ORIGIN})
+        assert models.status_code == 200
+        assert models.headers["access-control-allow-origin"] == CORS_ORIGIN
+        assert "retry-after" in models.headers["access-control-expose-headers"].lower()
+        plain = alice.get("/v1/models")  # no Origin: a server-side client, no CORS headers
+        assert "access-control-allow-origin" not in plain.headers
