@@ -561,14 +561,15 @@ class Ingress:
             answer = await asyncio.shield(call)
         except asyncio.CancelledError:
             # The client went away while the actor decided. The call runs on, and a
-            # lease it grants would never be released: release it when it comes.
+            # lease it grants would never be released: release it when it comes, its
+            # charge refunded (nothing ran).
             key_id = principal.key_id
 
             def release_late(done: asyncio.Future[Any]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     lease = done.result().get("lease")
                     if lease is not None:
-                        limits.release.remote(key_id, lease, 0)
+                        limits.release.remote(key_id, lease, 0, True)  # nothing ran
 
             call.add_done_callback(release_late)
             raise
