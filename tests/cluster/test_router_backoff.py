@@ -49,11 +49,12 @@ def test_a_router_backs_off_while_no_replica_takes_the_request(
     monkeypatch: pytest.MonkeyPatch, cls: Any
 ) -> None:
     index = _Index()
-    monkeypatch.setattr(router_mod, "get_index", lambda kwargs=None: index)
-    # Serve pickles a request router class by value; unpickled in a process that has
-    # the module (a driver that ran an app with this router, as an earlier test
-    # does), cloudpickle sets the class's methods to copies whose globals are their
-    # own dict, not the module's: patch the name where the method looks it up.
+    # Patch the name where the method looks it up, and only there: Serve pickles a
+    # request router class by value, and unpickled in a process that has the module (a
+    # driver that ran an app with this router) cloudpickle sets the class's methods to
+    # copies whose globals are their own dict, not the module's. (Patching the module
+    # too, with setattr, would leak: pytest undoes every setattr before every setitem,
+    # so the fake index outlived the test and later apps' routers pickled it.)
     monkeypatch.setitem(cls.initialize_state.__globals__, "get_index", lambda kwargs=None: index)
 
     async def scenario() -> int:
@@ -82,3 +83,13 @@ def test_a_router_backs_off_while_no_replica_takes_the_request(
 
     calls = asyncio.run(scenario())
     assert 2 <= calls <= 20, f"{calls} index calls in 0.5 s: no back-off"
+
+
+def test_the_router_module_is_left_as_it_was() -> None:
+    """Runs after the test above (file order): its fake index must not outlive it. It
+    did once (a setattr and a setitem on one name, undone in the wrong order), and the
+    next module's Serve app pickled the fake into its routers: requests hung."""
+    from spur.cluster.routing.index_actor import get_index
+
+    assert router_mod.get_index is get_index
+    assert router_mod.PrefixRouter.initialize_state.__globals__["get_index"] is get_index
