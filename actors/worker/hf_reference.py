@@ -28,6 +28,7 @@ drops them. Functions set no global torch state (thread count, seeds).
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import resource
@@ -65,21 +66,46 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def load_model(model_dir: str | os.PathLike[str], dtype: torch.dtype | str = torch.float32) -> Any:
     """The transformers causal LM in `model_dir` (a HF folder), eval mode, cached per process.
 
+    A `...ForConditionalGeneration` checkpoint (multimodal, served text-only by spur)
+    loads as that class, not as AutoModelForCausalLM's text model: only the former
+    reads the checkpoint as written (e.g. Qwen3.5's top-level tie_word_embeddings,
+    which the text model ignores, leaving a random LM head).
+
     The same object is returned for the same (resolved folder, dtype); callers must
     not mutate it. Raises whatever `from_pretrained` raises for a bad folder.
     """
-    from transformers import AutoModelForCausalLM
-
     dt = _as_dtype(dtype)
     key = (str(Path(model_dir).resolve()), dt)
     model = _MODELS.get(key)
     if model is None:
         t0 = time.perf_counter()
         # transformers 5 spells the old `torch_dtype=` argument `dtype=`.
-        model = AutoModelForCausalLM.from_pretrained(key[0], dtype=dt).eval()
+        model = _model_class(Path(key[0])).from_pretrained(key[0], dtype=dt).eval()
         logger.info("loaded %s (%s) in %.2f s", key[0], dt, time.perf_counter() - t0)
         _MODELS[key] = model
     return model
+
+
+def _model_class(model_dir: Path) -> Any:
+    """The transformers class that loads `model_dir`: its config.json's architecture
+    when that is a `...ForConditionalGeneration` class transformers has, else
+    AutoModelForCausalLM."""
+    import transformers
+
+    try:
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []  # from_pretrained reports the folder's problem
+    arch = archs[0] if archs else ""
+    if arch.endswith("ForConditionalGeneration") and hasattr(transformers, arch):
+        return getattr(transformers, arch)
+    return transformers.AutoModelForCausalLM
+
+
+def _text_config(model: Any) -> Any:
+    """The model's (decoder) text config: the config itself for a causal LM, its
+    text_config for a multimodal model."""
+    return model.config.get_text_config(decoder=True)
 
 
 def clear_cache() -> None:
@@ -96,14 +122,21 @@ def torch_num_threads() -> int:
 def _eos_ids(model: Any) -> set[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:
-        eos = model.config.eos_token_id
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(_text_config(model), "eos_token_id", None)
     if eos is None:
         return set()
     return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
 
 
 def _pad_id(model: Any) -> int:
-    for value in (model.generation_config.pad_token_id, model.config.pad_token_id):
+    text = _text_config(model)
+    for value in (
+        model.generation_config.pad_token_id,
+        getattr(model.config, "pad_token_id", None),
+        getattr(text, "pad_token_id", None),
+    ):
         if isinstance(value, int):
             return value
     return min(_eos_ids(model), default=0)
@@ -269,7 +302,7 @@ class PeakRss:
 def kv_bytes_per_token(model: Any) -> int:
     """Bytes of K and V for one token over all attention layers, in the model's dtype
     (hybrid models: their full-attention layers only)."""
-    cfg = model.config
+    cfg = _text_config(model)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -283,7 +316,7 @@ def state_bytes_per_sequence(model: Any) -> int:
     """Bytes of the fixed-size states transformers keeps per sequence (Gated DeltaNet
     layers: conv state [conv_dim, K] in the model's dtype, recurrent state [Hv, dk,
     dv] in float32 as its delta rule returns it); 0 for attention-only models."""
-    cfg = model.config
+    cfg = _text_config(model)
     types = getattr(cfg, "layer_types", None) or []
     num = types.count("linear_attention")
     if not num:

@@ -241,10 +241,13 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
 
 
 def load_config(path: Path) -> Any:
-    """Read `path/config.json` as a Hugging Face config; check the architecture is supported.
+    """Read `path/config.json` as a Hugging Face config; check spur computes what
+    transformers would for it.
 
-    Raises ModelLoadError for a missing or malformed file or an unsupported
-    architecture.
+    Raises ModelLoadError for a missing or malformed file, an unsupported
+    architecture, a model_type that does not match the architecture, a quantized
+    checkpoint (`quantization_config`), or a config the model class refuses
+    (its `check_config`, e.g. an activation it does not implement).
     """
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -255,6 +258,7 @@ def load_config(path: Path) -> Any:
         raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_file} must hold a JSON object")
+    _refuse_quantized(raw, config_file)
     try:
         registry.get_model_class(_Namespace(raw))  # names the supported ones if not
     except ValueError as exc:
@@ -263,9 +267,36 @@ def load_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"{config_file} cannot be parsed by transformers: {exc}") from exc
+    try:
+        # Again on the parsed config: AutoConfig fills a model_type config.json omits.
+        model_cls = registry.get_model_class(config)
+        check = getattr(model_cls, "check_config", None)
+        if check is not None:
+            check(config)
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_file}: {exc}") from exc
+    return config
+
+
+def _refuse_quantized(raw: dict[str, Any], config_file: Path) -> None:
+    """Raise ModelLoadError when config.json (or its text_config) declares a
+    `quantization_config`: spur's layers hold plain weights, and loading quantized
+    tensors as such would compute something else. A GGUF goes through
+    `convert_gguf`, which dequantizes and drops the field."""
+    text = raw.get("text_config")
+    for where, cfg in (("", raw), ("text_config.", text if isinstance(text, dict) else {})):
+        quant = cfg.get("quantization_config")
+        if quant is None:
+            continue
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ModelLoadError(
+            f"{config_file} declares {where}quantization_config (quant_method {method!r}): "
+            "spur serves unquantized checkpoints; dequantize it (float32 / bfloat16 / float16 "
+            "safetensors) or use a GGUF"
+        )
 
 
 class _Namespace:

@@ -53,7 +53,10 @@ def head_dim_of(config: Any) -> int:
 
 
 def sliding_window_of(config: Any, layer_idx: int) -> int | None:
-    """Sliding window of layer `layer_idx` (None = full attention)."""
+    """Sliding window of layer `layer_idx` (None = full attention), from `layer_types`.
+
+    Only Qwen2 / Qwen3 configs get here with sliding layers: `LlamaForCausalLM.check_config`
+    refuses them for Llama, whose transformers modeling ignores `layer_types`."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types and layer_types[layer_idx] == "sliding_attention":
         return getattr(config, "sliding_window", None)
@@ -207,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # Whether transformers' modeling of this architecture reads `config.layer_types`
+    # (sliding-window layers). Llama's does not: its attention is full on every layer.
+    reads_layer_types: ClassVar[bool] = False
+
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:
         bias = bool(getattr(config, "attention_bias", False))
@@ -214,10 +221,29 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
         )
 
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise ValueError for a config this class would compute differently from
+        transformers: sliding-window layers in `layer_types` for an architecture whose
+        transformers modeling ignores them (Llama)."""
+        if cls.reads_layer_types:
+            return
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        if sliding:
+            raise ValueError(
+                f"config.json's layer_types makes layers {sliding} sliding_attention, but "
+                f"transformers' {cls.__name__} has no sliding-window attention and ignores "
+                "layer_types: remove layer_types (and sliding_window) from config.json to serve "
+                "the model as transformers does, or fix architectures / model_type if it is "
+                "a sliding-window model"
+            )
+
     def __init__(
         self, config: Any, *, tp: TPGroup = SINGLE, attn_backend: str | None = None
     ) -> None:
         super().__init__()
+        self.check_config(config)
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, self.decoder_options(config), tp, attn_backend)

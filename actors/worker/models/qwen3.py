@@ -9,13 +9,15 @@ Both may use a sliding window on some layers (`config.layer_types`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from spur.actors.worker.models.llama import DecoderOptions, LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5 causal LM (same forward contract as `LlamaForCausalLM`)."""
+
+    reads_layer_types: ClassVar[bool] = True  # transformers applies its sliding windows
 
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:
@@ -24,6 +26,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 dense causal LM (same forward contract as `LlamaForCausalLM`)."""
+
+    reads_layer_types: ClassVar[bool] = True  # transformers applies its sliding windows
 
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:

@@ -207,18 +207,45 @@ class Qwen3_5ForCausalLM(nn.Module):
     checkpoint_prefixes: ClassVar[dict[str, str]] = {}
     skipped_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)
 
+    # Activations the GDN short convolution and the MoE experts compute (both silu,
+    # layers/gdn.py and layers/moe.py); transformers uses config.hidden_act there.
+    supported_hidden_acts: ClassVar[tuple[str, ...]] = ("silu", "swish")
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise ValueError for a config this class cannot compute as transformers does:
+        no layer_types, or a `hidden_act` other than silu (transformers applies it in
+        the GDN convolution and the experts, where spur's layers compute silu)."""
+        text = getattr(config, "text_config", None) or config
+        if not getattr(text, "layer_types", None):
+            raise ValueError("config has no layer_types: not a Qwen3.5 / Qwen3-Next config")
+        act = getattr(text, "hidden_act", "silu")
+        if act not in cls.supported_hidden_acts:
+            raise ValueError(
+                f"hidden_act is {act!r}: {cls.__name__} supports only hidden_act 'silu' (its "
+                "Gated DeltaNet convolution and MoE experts compute silu); this checkpoint "
+                "was not trained for spur's model: use a silu checkpoint"
+            )
+
+    @classmethod
+    def ties_word_embeddings(cls, config: Any) -> bool:
+        """Whether the LM head is the embedding matrix, as transformers decides it: the
+        causal LM reads its text config's `tie_word_embeddings` (AutoModelForCausalLM
+        builds it from `text_config`)."""
+        text = getattr(config, "text_config", None) or config
+        return bool(getattr(text, "tie_word_embeddings", False))
+
     def __init__(
         self, config: Any, *, tp: TPGroup = SINGLE, attn_backend: str | None = None
     ) -> None:
         super().__init__()
+        self.check_config(config)
+        self.tie_word_embeddings = self.ties_word_embeddings(config)
         config = getattr(config, "text_config", None) or config
-        if not getattr(config, "layer_types", None):
-            raise ValueError("config has no layer_types: not a Qwen3.5 / Qwen3-Next config")
         self.config = config
         self.tp = tp
         self.model = HybridModel(config, tp, attn_backend, self.layout)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self._attn = [m.self_attn for m in self.model.layers if m.kind == "full_attention"]
@@ -285,6 +312,14 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
     checkpoint_prefixes: ClassVar[dict[str, str]] = {"model.language_model.": "model."}
     skipped_prefixes: ClassVar[tuple[str, ...]] = ("mtp.", "model.visual.", "visual.")
+
+    @classmethod
+    def ties_word_embeddings(cls, config: Any) -> bool:
+        """The outer (multimodal) config's `tie_word_embeddings`, as transformers'
+        Qwen3_5ForConditionalGeneration reads it (text_config's flag does not count)."""
+        if getattr(config, "text_config", None) is None:
+            return super().ties_word_embeddings(config)
+        return bool(getattr(config, "tie_word_embeddings", False))
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
