@@ -427,3 +427,35 @@ def test_one_call_at_a_time_and_none_after_shutdown(tiny_model_dir):
     llm.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down: create a new LLM"):
         llm.generate([prompt], GREEDY)
+
+
+def test_an_interrupted_step_leaks_no_worker_state(tiny_model_dir):
+    """A KeyboardInterrupt in the step after a request finished: the step's
+    SchedulerOutput carried the finished id, the worker never saw it, and its request
+    and sampler state (a penalty row) stayed for good, one more per interrupt."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)
+    runner = llm.executor.worker.runner
+    real = llm.executor.execute_model
+    params = [
+        SamplingParams(max_tokens=2, temperature=0.8, repetition_penalty=1.2),
+        SamplingParams(max_tokens=20, temperature=0),
+    ]
+    for _ in range(3):
+        calls = [0]
+
+        def interrupted(out, calls=calls):
+            calls[0] += 1
+            if calls[0] == 3:  # step 2 finished the first request; step 3 carries its id
+                raise KeyboardInterrupt
+            return real(out)
+
+        llm.executor.execute_model = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+        llm.executor.execute_model = real
+        llm.generate([[12, 13]], SamplingParams(max_tokens=2, temperature=0))
+    llm.generate([[14]], SamplingParams(max_tokens=1, temperature=0))
+    # At most the last call's request, whose end the next step would announce.
+    assert len(runner.requests.states) <= 1, sorted(runner.requests.states)
+    assert runner.sampler_state._num_penalized == 0
+    llm.scheduler.check_integrity()

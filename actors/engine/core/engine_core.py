@@ -41,7 +41,14 @@ class EngineCore:
         out = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         if not out.is_empty or out.finished_req_ids or out.preempted_req_ids or out.blocks_to_copy:
-            result = self.executor.execute_model(out)
+            try:
+                result = self.executor.execute_model(out)
+            except BaseException:
+                # The workers may never have seen this step (an interrupt, a failed
+                # call): tell them of the finished requests again with the next one,
+                # or their states stay (a worker drops an unknown id quietly).
+                self.scheduler.resend_finished(out.finished_req_ids)
+                raise
             outputs = self.scheduler.update_from_output(out, result)
         self.num_steps += 1
         return outputs, self.scheduler.make_stats()

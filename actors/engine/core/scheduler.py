@@ -517,6 +517,11 @@ class Scheduler:
         self._preempted_ids = set()
         return out
 
+    def resend_finished(self, request_ids: set[str] | frozenset[str]) -> None:
+        """Send `request_ids` as finished again with the next step (its output's
+        `finished_req_ids`): the step that carried them did not reach the workers."""
+        self._finished_ids |= set(request_ids)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
