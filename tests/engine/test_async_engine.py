@@ -257,11 +257,16 @@ def test_an_engine_stuck_in_a_step_is_not_alive():
             await asyncio.sleep(0.02)
         assert engine.step_running_s() > 0.2 and engine.stats()["alive"] is False
         assert "engine.runtime.step_timeout_s (0.2 s)" in engine.dead_message
+        # A new request is refused with the reason (it queued behind the stuck step,
+        # hanging until the replica was restarted).
+        with pytest.raises(EngineDeadError, match="stuck"):
+            await engine.generate("b", [4, 5], SamplingParams(max_tokens=2)).__anext__()
         release.set()  # the step ends: alive again, the request completes
         await first
         async for _ in stream:
             pass
         assert engine.alive and engine.step_running_s() == 0.0
+        await collect(engine, "c", [6, 7], max_tokens=2, ignore_eos=True)  # served again
         await engine.shutdown()
 
     asyncio.run(main())

@@ -207,11 +207,20 @@ class EngineReplica:
         check_deadline = time.monotonic() + 10.0
         while True:
             try:
-                report.update(await engine.check_integrity(), integrity="ok")
+                # Answered between steps: an engine stuck in one never answers.
+                report.update(
+                    await asyncio.wait_for(
+                        engine.check_integrity(), max(0.1, check_deadline - time.monotonic())
+                    ),
+                    integrity="ok",
+                )
             except AssertionError as exc:
                 report["integrity"] = f"FAILED: {exc}"
             except EngineDeadError as exc:  # nothing to check: the engine thread is gone
                 report["integrity"] = f"not checked: {exc}"
+                break
+            except TimeoutError:
+                report["integrity"] = "not checked: the engine did not answer (stuck in a step)"
                 break
             if report.get("num_requests", 1) == 0 or time.monotonic() > check_deadline:
                 break

@@ -194,7 +194,9 @@ class AsyncEngine:
         generated and streamed (a failover continuation, n == 1), of whose text the
         client received `resumed_chars` characters: the text continues from there (see
         `OutputProcessor.add_request`)."""
-        if self.error is not None:
+        if self.error is not None or self.stuck:
+            # Stuck: it would queue behind a step that may never end (the replica is
+            # about to be restarted): refused now, with the reason.
             raise EngineDeadError(self.dead_message)
         self.validate(prompt_token_ids)
         if not 0 <= resumed < len(prompt_token_ids) or (resumed and params.n != 1):
