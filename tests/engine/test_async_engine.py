@@ -635,3 +635,40 @@ def test_a_stop_string_ending_is_counted_and_reported_as_the_client_sees_it(smol
     assert snap["request_success"].get("stop") == 1 and not snap["request_success"].get("length")
     assert snap["gauges"]["vllm:num_requests_running"] == 0
     assert snap["gauges"]["vllm:kv_cache_usage_perc"] == 0.0
+
+
+def test_an_id_is_not_reused_while_its_closed_request_may_still_deliver():
+    """A stream closed while a step ran: that step's output for it was still delivered
+    by id, into a new request that reused the id at once (its stream began with the
+    old request's tokens). The id is now refused until the engine applied the abort."""
+
+    async def main():
+        core, _sched, fake = make_engine(block_size=4, num_blocks=64)
+        gate, entered = threading.Event(), threading.Event()
+        forward, calls = fake.execute_model, [0]
+
+        def paced(out):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == 3:  # the step that runs while the consumer goes away
+                entered.set()
+                gate.wait(10)
+            return forward(out)
+
+        fake.execute_model = paced
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        first = engine.generate("x", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+        await first.__anext__()
+        await asyncio.to_thread(entered.wait, 10)
+        await first.aclose()
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.generate("x", [7, 8], SamplingParams(max_tokens=4)).__anext__()
+        gate.set()
+        deadline = time.monotonic() + 10
+        while "x" in engine._closing:  # the abort is applied after that step
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        final = await collect(engine, "x", [7, 8, 9, 10, 11], max_tokens=4, ignore_eos=True)
+        assert final.prompt_token_ids == [7, 8, 9, 10, 11]  # collect: streamed == final
+        await engine.shutdown()
+
+    asyncio.run(main())

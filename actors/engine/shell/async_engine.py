@@ -144,6 +144,10 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._unapplied: list[_Command | None] = []
         self._streams: dict[str, asyncio.Queue[Delta | RequestOutput | Exception]] = {}
+        # Ids whose stream ended before the request did: the engine thread may still
+        # deliver a step's output for them until it applies their abort, so they are
+        # not reused until it has (event loop thread only).
+        self._closing: set[str] = set()
         self._loop = asyncio.get_running_loop()
         self._stop = threading.Event()
         self.error: str | None = None
@@ -204,7 +208,7 @@ class AsyncEngine:
                 f"resumed={resumed}: a continuation resumes fewer ids than its prompt holds, "
                 "with n == 1"
             )
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._closing:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
@@ -268,6 +272,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not done:
+                self._closing.add(request_id)
                 self._inbox.put(_Abort(request_id))
 
     @property
@@ -283,6 +288,7 @@ class AsyncEngine:
         if stream is None:
             return False
         stream.put_nowait(exc)
+        self._closing.add(request_id)
         self._inbox.put(_Abort(request_id))
         return True
 
@@ -409,6 +415,8 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.on_abort(cmd.request_id)
                     self.metrics.refresh_gauges(sched)  # no step may follow to do it
+            # After every delivery already queued for it (the loop runs them in order).
+            self._loop.call_soon_threadsafe(self._closing.discard, cmd.request_id)
             return
         params = with_eos(cmd.params, self.more_eos_token_ids)
         try:  # a request either side refuses fails alone, before the engine holds it
