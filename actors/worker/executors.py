@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +66,10 @@ class UniProcExecutor(Executor):
 def _worker_main(
     conn: Any, config: WorkerConfig, rank: int, init_method: str, worker_cls: type[Worker]
 ) -> None:
+    # The parent owns interruption: a terminal's Ctrl-C reaches the whole process group,
+    # and a worker killed by it mid-call would break the group the parent can otherwise
+    # keep (it collects the call's answers and re-raises the interrupt itself).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = worker_cls(config, rank=rank, dist_init_method=init_method)
     while True:
         try:
@@ -88,10 +94,17 @@ class MultiprocExecutor(Executor):
     `failure_grace_s` to answer, then stops every worker process and raises
     `WorkerError`; the executor is unusable from then on (its process group is broken),
     and says so on every later call. A call that fails on every rank (a bad argument)
-    leaves the executor usable."""
+    leaves the executor usable; a worker process that died breaks it.
+
+    An interrupt (KeyboardInterrupt) while the workers run a call leaves the executor
+    usable when every rank answers within `failure_grace_s` (their answers are read and
+    dropped, so no later call reads them as its own); otherwise it is broken, as above.
+    The workers ignore SIGINT: a terminal's Ctrl-C to the process group reaches only
+    this process's handling."""
 
     failure_grace_s = 5.0
-    """How long the other ranks may take to answer once one rank has failed."""
+    """How long the other ranks may take to answer once one rank has failed, or once
+    the caller was interrupted."""
 
     def __init__(self, config: WorkerConfig, worker_cls: type[Worker] = Worker) -> None:
         ctx = mp.get_context("spawn")
@@ -119,50 +132,124 @@ class MultiprocExecutor(Executor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
+        """Run `method` on every rank; returns the ranks' results in rank order.
+
+        Raises WorkerError naming each failing rank when any rank raised or died, and
+        on every call once the executor is broken (the message says "create a new
+        LLM"). Any BaseException while the ranks run the call (a KeyboardInterrupt)
+        is re-raised after the ranks' answers are drained (see the class docstring):
+        the pipes then hold nothing stale, or the workers are stopped."""
         if not isinstance(method, str):
             raise TypeError("MultiprocExecutor calls worker methods by name")
-        if self.broken is not None:
-            raise WorkerError(
-                f"{method}: the TP workers were stopped after a failure ({self.broken}); "
-                "create a new LLM"
-            )
-        for conn in self.conns:
-            conn.send((method, args, kwargs or {}))
+        self._check_usable(method)
         results: list[Any] = [None] * len(self.conns)
         errors: list[str] = []
         reasons: list[str] = []
+        dead: list[str] = []  # "rank r: the worker process died (...)"
         pending = dict(enumerate(self.conns))
-        while pending:
-            timeout = self.failure_grace_s if errors else None
-            ready = mp_connection.wait(list(pending.values()), timeout=timeout)
-            if not ready:  # the others wait for the failed rank: the group is broken
-                ranks = ", ".join(map(str, sorted(pending)))
-                errors.append(
-                    f"rank {ranks}: no answer {self.failure_grace_s:g} s after "
-                    "the failure (waiting for the failed rank); stopped"
+        sent = 0  # ranks whose pipe holds the whole call
+        receiving: int | None = None  # the rank whose answer is being read
+        try:
+            for conn in self.conns:
+                conn.send((method, args, kwargs or {}))
+                sent += 1
+            while pending:
+                timeout = self.failure_grace_s if errors else None
+                ready = mp_connection.wait(list(pending.values()), timeout=timeout)
+                if not ready:  # the others wait for the failed rank: the group is broken
+                    ranks = ", ".join(map(str, sorted(pending)))
+                    errors.append(
+                        f"rank {ranks}: no answer {self.failure_grace_s:g} s after "
+                        "the failure (waiting for the failed rank); stopped"
+                    )
+                    self._break(errors[0].split(":", 1)[0] + ": " + reasons[0])
+                    break
+                for rank, conn in list(pending.items()):
+                    if conn not in ready:
+                        continue
+                    receiving = rank
+                    try:
+                        status, value = conn.recv()
+                    except (EOFError, OSError):
+                        status, value = "err", self._death(rank)
+                        dead.append(f"rank {rank}: {value}")
+                    del pending[rank]
+                    receiving = None
+                    if status == "err":
+                        errors.append(f"rank {rank}: {value}")
+                        reasons.append(_last_line(value))
+                    results[rank] = value
+        except BaseException as exc:
+            if isinstance(exc, OSError) and sent < len(self.conns):
+                # The pipe of a worker that died since the last call (OOM-killed, a signal).
+                why = f"rank {sent}: {self._death(sent)}"
+                self._break(why)
+                raise WorkerError(f"{method}: {why}; create a new LLM", why) from exc
+            if sent < len(self.conns) or receiving is not None:
+                # A call half sent or an answer half read leaves a pipe mid-message, and
+                # ranks that never got the call would leave their peers in a collective.
+                self._break(
+                    f"interrupted ({type(exc).__name__}) while sending {method} or "
+                    "reading its answers"
                 )
-                self.broken = errors[0].split(":", 1)[0] + ": " + reasons[0]
-                self._kill()
-                break
-            for rank, conn in list(pending.items()):
-                if conn not in ready:
-                    continue
-                del pending[rank]
-                try:
-                    status, value = conn.recv()
-                except (EOFError, OSError):
-                    code = self.procs[rank].exitcode
-                    status, value = "err", f"the worker process died (exit code {code})"
-                if status == "err":
-                    errors.append(f"rank {rank}: {value}")
-                    reasons.append(_last_line(value))
-                results[rank] = value
+            else:
+                self._drain(method, pending, exc)
+            raise
+        if dead and self.broken is None:  # the group lost a rank: nothing can run on it
+            self._break(dead[0])
         if errors:
             raise WorkerError(
                 f"{method} failed on workers:\n" + "\n".join(errors),
                 reasons[0] if reasons else "",
             )
         return results
+
+    def _check_usable(self, method: str) -> None:
+        if self.broken is not None:
+            raise WorkerError(
+                f"{method}: the TP workers were stopped after a failure ({self.broken}); "
+                "create a new LLM",
+                self.broken,
+            )
+
+    def _death(self, rank: int) -> str:
+        """Why rank's pipe broke, in words; reaps the process if it has exited."""
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)  # an exited process has no exit code until reaped
+        return f"the worker process died (exit code {proc.exitcode})"
+
+    def _drain(self, method: str, pending: dict[int, Any], exc: BaseException) -> None:
+        """After an interrupt: read and drop the answers `pending` ranks still owe for
+        `method`, for up to `failure_grace_s`, so the next call reads only its own.
+        Breaks the executor (stops the workers) if any rank does not answer in time,
+        died, or a second interrupt arrives meanwhile. Mutates `pending`."""
+        deadline = time.monotonic() + self.failure_grace_s
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                ready = mp_connection.wait(list(pending.values()), timeout=max(left, 0.0))
+                if not ready:
+                    break
+                for rank, conn in list(pending.items()):
+                    if conn in ready:
+                        conn.recv()  # EOFError / OSError: it died
+                        del pending[rank]
+        except BaseException:  # a dead rank, a second Ctrl-C: the caller re-raises `exc`
+            pass
+        if pending:
+            ranks = ", ".join(map(str, sorted(pending)))
+            self._break(
+                f"interrupted ({type(exc).__name__}) while running {method}; rank {ranks} "
+                f"gave no answer within {self.failure_grace_s:g} s"
+            )
+        else:
+            logger.info("interrupted %s: dropped the workers' answers", method)
+
+    def _break(self, why: str) -> None:
+        """Mark the executor unusable for `why` and stop every worker process."""
+        if self.broken is None:
+            self.broken = why
+        self._kill()
 
     def _kill(self) -> None:
         for proc in self.procs:

@@ -527,7 +527,9 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Apply sampled tokens: append them, stop requests that are done, offer
         newly computed blocks to the prefix cache. Returns per-request outputs
-        (only for requests that gained a token or finished)."""
+        (only for requests that gained a token or finished). Raises RuntimeError
+        naming the request when one that ran its last position has no sampled token
+        (the executor answered with another step's output)."""
         outputs = []
         sampled_all = runner_output.sampled_token_ids
         logprobs_all = runner_output.logprobs
@@ -561,6 +563,16 @@ class Scheduler:
             if req.spec_token_ids:
                 req.spec_token_ids = []
             if not sampled or req.num_computed_tokens < len(req.all_token_ids):
+                if not sampled and req.num_computed_tokens >= len(req.all_token_ids):
+                    # Its last position ran, so the runner sampled it (drafts included):
+                    # a step without its token is another step's answer. Left as is, the
+                    # request would wait forever with nothing to schedule.
+                    raise RuntimeError(
+                        f"request {rid} ran its last position ({req.num_computed_tokens} "
+                        f"of {len(req.all_token_ids)} tokens computed) but the runner "
+                        "output has no token for it: the executor returned a step that "
+                        "is not this one (a stale answer); create a new LLM"
+                    )
                 cache_blocks(req)  # prefill chunk: no token yet
                 continue
             new_tokens: list[int] = []
