@@ -20,17 +20,8 @@ import torch
 from spur.actors.worker.loader import ModelLoadError, load_config, load_model
 from spur.actors.worker.models import registry
 from spur.actors.worker.random_models import PRESETS, _draw, hf_config
+from tests.worker.conftest import TINY  # the tiny geometry every model test uses
 
-TINY: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
 # Hybrid presets cut to 2 layers: one GDN layer, one full-attention layer.
 HYBRID_2 = dict(num_hidden_layers=2, full_attention_interval=2)
 
