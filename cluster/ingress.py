@@ -20,8 +20,10 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -106,6 +108,52 @@ app.add_middleware(CORSGate)  # outermost: preflights are answered before the ke
 _TOKENIZER_LOCK = asyncio.Lock()
 """One tokenizer load at a time: lanes warm up concurrently, and a first import of
 transformers from two threads at once can fail half-initialised."""
+
+
+_TOKENIZER_MODULES = (
+    "transformers",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.configuration_utils",
+    "transformers.utils.type_validators",
+    "jinja2",
+)
+"""What a first `AutoTokenizer.from_pretrained` imports (about 3 s on a 2-core host;
+the load itself takes 0.2 s after them). Names that a transformers release moves
+are skipped: the load imports what it needs either way."""
+
+_tokenizer_code: threading.Thread | None = None
+
+
+def _import_tokenizer_code() -> None:
+    for name in _TOKENIZER_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a moved module: the load imports it later
+            logger.debug("tokenizer warm-up: %s not imported (%r)", name, exc)
+
+
+def start_tokenizer_import() -> None:
+    """Import transformers' tokenizer code in a thread of its own, once per process,
+    while the engines start: the ingress then loads a lane's tokenizer, and `/health`
+    turns 200, within a fraction of a second of an engine's first answer, not about 5 s
+    after it (`_engine_tokenizer` waits for this thread: two threads importing
+    transformers at once can leave it half-initialised)."""
+    global _tokenizer_code
+    if _tokenizer_code is None:
+        _tokenizer_code = threading.Thread(
+            target=_import_tokenizer_code, name="spur-import-tokenizer", daemon=True
+        )
+        _tokenizer_code.start()
+
+
+async def tokenizer_import_done() -> None:
+    """Wait for `start_tokenizer_import`'s thread, if one runs. A module function, so
+    that it reads this module's state: Serve's copy of the `Ingress` class keeps a copy
+    of the module's globals, in which `_tokenizer_code` would stay as it was."""
+    thread = _tokenizer_code
+    if thread is not None and thread.is_alive():
+        await asyncio.to_thread(thread.join)
 
 
 def _learn_limits(lane: Lane, stats: dict[str, Any], *, from_spare: bool) -> None:
@@ -252,6 +300,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engines: dict[str, Any], config: dict[str, Any]) -> None:
+        start_tokenizer_import()  # while the engines start (readiness waits on the load)
         self.config = config
         sections = {lane["name"]: lane for lane in config["lanes"]}
         spare = config.get("spare")
@@ -471,6 +520,7 @@ class Ingress:
             logger.info("%s: tokenizer folder %s is not on this node; using a copy", name, tok_dir)
             tok_dir = str(local)
         async with _TOKENIZER_LOCK:  # transformers' loading is not thread-safe
+            await tokenizer_import_done()
             return await asyncio.to_thread(_load_tokenizer, tok_dir)
 
     def _note_unknown(self, fields: list[str]) -> None:

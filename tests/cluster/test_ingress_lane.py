@@ -100,3 +100,52 @@ def test_limits_learned_from_the_spare_are_read_again_from_a_primary(
         return seen
 
     assert asyncio.run(scenario()) == [(64, 0.2, True), (64, 0.2, True), (96, 0.6, False)]
+
+
+def test_the_tokenizer_warm_up_names_modules_that_exist() -> None:
+    """`start_tokenizer_import` skips a module that a transformers release moved, so
+    the warm-up would shrink unnoticed: every name must import with the pinned one."""
+    import importlib
+
+    from spur.cluster import ingress
+
+    for name in ingress._TOKENIZER_MODULES:
+        importlib.import_module(name)
+
+
+def test_a_tokenizer_load_waits_for_the_warm_up_import(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads importing transformers at once can leave it half-initialised: the
+    lane's tokenizer loads only once the warm-up thread has ended."""
+    import threading
+
+    from spur.cluster import ingress
+
+    gate = threading.Event()
+    order: list[str] = []
+
+    def warm_up() -> None:
+        gate.wait(30)
+        order.append("warm-up done")
+
+    def load(tok_dir: str) -> Any:
+        order.append("load")
+        return object()
+
+    thread = threading.Thread(target=warm_up, daemon=True)
+    thread.start()
+    monkeypatch.setattr(ingress, "_tokenizer_code", thread)
+    # The method reads its names from Serve's copy of the module's globals.
+    monkeypatch.setitem(Ingress._engine_tokenizer.__globals__, "_load_tokenizer", load)
+    fake = _fake_ingress({})
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(fake._engine_tokenizer("chat", str(tokenizer_dir)))
+        await asyncio.sleep(0)  # the task runs up to its wait
+        assert not task.done() and order == []
+        gate.set()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
+    assert order == ["warm-up done", "load"]
