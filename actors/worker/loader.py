@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -157,15 +158,35 @@ CONVERSION_VERSION = 1
 older spur is not reused."""
 
 
-def _gguf_cache_key(gguf: Path) -> str:
-    """The GGUF file (path, size, mtime), the conversion code's version and transformers'
-    (which dequantizes it)."""
-    import transformers
-
+def _gguf_digest(gguf: Path, models_dir: Path) -> str:
+    """sha256 of the GGUF's bytes. Remembered per (path, size, mtime) in
+    `models_dir/.digests/`, so a file is read once, not at every start (about 0.1 s per
+    100 MB); an unwritable cache only costs the re-read."""
     st = gguf.stat()
+    stat_key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    memo = models_dir / ".digests" / stat_key[:32]
+    with contextlib.suppress(OSError):
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    return digest
+
+
+def _gguf_cache_key(gguf: Path, models_dir: Path) -> str:
+    """The GGUF's content, the conversion code's version and transformers' (which
+    dequantizes it). By content, not by path: the same file installed again (a new
+    virtual environment, a reinstall) reuses its conversion instead of adding another
+    copy of the float32 weights (517 MB for the demo model) to the cache."""
     ident = (
-        f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}|"
-        f"{transformers.__version__}"
+        f"{_gguf_digest(gguf, models_dir)}|{CONVERSION_VERSION}|"
+        f"{importlib.metadata.version('transformers')}"
     )
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
@@ -181,7 +202,7 @@ def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
     """
     gguf = gguf.resolve()
     models_dir = (cache_root or env.cache_dir()) / "models"
-    target = models_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    target = models_dir / f"{gguf.stem}-{_gguf_cache_key(gguf, models_dir)}"
     if (target / "config.json").is_file():
         return target
     try:

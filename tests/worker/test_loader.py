@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -226,7 +227,8 @@ def test_gguf_converted_once_under_concurrency(tmp_path, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(loader, "_dequantize_gguf", _fake_dequantize(calls, delay=0.3))
     # Leftover of a conversion that crashed earlier: removed, not reused.
-    stale = tmp_path / "cache" / "models" / f".Tiny.Q4-{loader._gguf_cache_key(gguf)}.tmp-old"
+    models = tmp_path / "cache" / "models"
+    stale = models / f".Tiny.Q4-{loader._gguf_cache_key(gguf, models)}.tmp-old"
     stale.mkdir(parents=True)
 
     results: list[Path] = []
@@ -261,6 +263,30 @@ def test_gguf_changed_file_gets_new_cache_entry(tmp_path, monkeypatch):
     assert resolve_model_dir(gguf) != first
 
 
+def test_the_same_gguf_installed_again_reuses_its_conversion(tmp_path, monkeypatch):
+    """The cache is keyed by the file's bytes: a copy elsewhere (another virtual
+    environment's package, a reinstall with a new mtime) converts nothing and adds no
+    second copy of the weights; a file with other bytes gets its own entry."""
+    monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[int] = []
+    monkeypatch.setattr(loader, "_dequantize_gguf", _fake_dequantize(calls))
+    first = tmp_path / "venv1" / "m.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF weights")
+    target = resolve_model_dir(first)
+    again = tmp_path / "venv2" / "m.gguf"
+    again.parent.mkdir()
+    again.write_bytes(b"GGUF weights")
+    os.utime(again, ns=(1, 1))
+    assert resolve_model_dir(again) == target
+    assert len(calls) == 1
+    other = tmp_path / "venv3" / "m.gguf"
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF WEIGHTS")  # the same size, other bytes
+    assert resolve_model_dir(other) != target
+    assert len(calls) == 2
+
+
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("SPUR_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "broken.gguf"
@@ -274,7 +300,8 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match=r"broken\.gguf failed.*bad magic"):
         resolve_model_dir(gguf)
     models = tmp_path / "cache" / "models"
-    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+    left = [p.name for p in models.iterdir() if not p.name.endswith(".lock")]
+    assert left == [".digests"]  # the file's digest, remembered: no conversion's part
 
 
 def test_demo_name_without_package(monkeypatch):
