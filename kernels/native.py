@@ -529,9 +529,11 @@ def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor | None:
     pw = int(lib.linear_f32_panel_width())
     if pw not in PACKED_PANEL_WIDTHS:
         return None
-    panels = weight.new_zeros((n + pw - 1) // pw * pw, k)
-    panels[:n] = weight
-    return panels.view(-1, pw, k).transpose(1, 2).contiguous()  # [P, K, PW]
+    if n % pw:  # zeros past N in the last panel
+        padded = weight.new_zeros((n + pw - 1) // pw * pw, k)
+        padded[:n] = weight
+        weight = padded
+    return weight.reshape(-1, pw, k).transpose(1, 2).contiguous()  # [P, K, PW]
 
 
 def unpack_linear_f32(panels: torch.Tensor, n: int) -> torch.Tensor:
