@@ -612,9 +612,11 @@ def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     n, k = weight.shape
     if n == 0 or k == 0 or k % 2 or not bf16_panels_here():
         return None
-    panels = weight.new_zeros(-(-n // 32) * 32, k)
-    panels[:n] = weight
-    return panels.view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()  # [P, K/2, 32, 2]
+    if n % 32:  # zeros past N in the last panel
+        padded = weight.new_zeros(-(-n // 32) * 32, k)
+        padded[:n] = weight
+        weight = padded
+    return weight.reshape(-1, 32, k // 2, 2).transpose(1, 2).contiguous()  # [P, K/2, 32, 2]
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:

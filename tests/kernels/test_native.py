@@ -654,7 +654,7 @@ def _panels_lib(monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 13, 16, 24, 25, 33, 64, 65, 300])
 @pytest.mark.parametrize(
-    ("out_features", "in_features"), [(1, 8), (17, 64), (100, 576), (33, 1544)]
+    ("out_features", "in_features"), [(1, 8), (17, 64), (100, 576), (33, 1544), (96, 64)]
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_f32_panels_is_a_float32_linear(
@@ -663,7 +663,8 @@ def test_linear_f32_panels_is_a_float32_linear(
     """The weight packed once (pack_linear_f32) against float64 math and F.linear, within
     float32 summation error: tiles of every size from 1 row to kPackMR (12 and 13 rows:
     one tile and two of 7 and 6; 25: three), panels of 16 or 32 columns with a partial
-    last one (17, 100, 33) or only part of one (1), K of one to 193 vectors."""
+    last one (17, 100, 33), only part of one (1) or whole ones only (96: packed
+    without a padded copy), K of one to 193 vectors."""
     lib = _panels_lib(monkeypatch)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -729,7 +730,7 @@ def _bf16_exact(x, w, b):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 13, 16, 24, 25, 33, 64, 65, 300])
 @pytest.mark.parametrize(
-    ("out_features", "in_features"), [(1, 2), (17, 64), (100, 576), (33, 1538)]
+    ("out_features", "in_features"), [(1, 2), (17, 64), (100, 576), (33, 1538), (96, 64)]
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_panels_is_a_bf16_linear(
@@ -740,7 +741,7 @@ def test_linear_bf16_panels_is_a_bf16_linear(
     every size from 1 row to 12 (1-4 rows: K split in 4, 3 or 2 parts with their own
     sums; 13 rows: two tiles of 7 and 6, the last prefetching the next panel; 25:
     three), panels with a partial last one (17, 100, 33) or only part of one (1), K of
-    one pair to 769."""
+    one pair to 769; 96 rows fill their panels (packed without a padded copy)."""
     _bf16_panels_lib(monkeypatch)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
