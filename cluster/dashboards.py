@@ -29,12 +29,37 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 FOLDER_TITLE = "spur"
 FOLDER_UID = "spur"
 SEL = '{lane=~"$lane", model_name=~"$model"}'
-"""The variables' selector of engine series."""
+"""The variables' selector of engine series. A request's series (tokens, finishes,
+latencies) carry the lane it came for, wherever it ran (a spare's too, with that
+lane's model_name); an engine's own (running, waiting, KV, capacity) its replica's
+lane (a spare's: the spare's name)."""
 RI = "$__rate_interval"
+HTTP_5XX_WINDOW = "5m"
+HTTP_5XX_SHARE = 0.05
+"""SpurHTTP5xx: the share of a route's answers that are 5xx, over HTTP_5XX_WINDOW,
+above which (for as long again) it fires."""
 
 
 def _q(metric: str, quantile: float) -> str:
-    return f"histogram_quantile({quantile}, sum by (le) (rate({metric}_bucket{SEL}[{RI}])))"
+    """Quantile `quantile` of histogram `metric` per lane (lanes are never blended)."""
+    return f"histogram_quantile({quantile}, sum by (lane, le) (rate({metric}_bucket{SEL}[{RI}])))"
+
+
+def _quantiles(metric: str) -> tuple[tuple[str, str], ...]:
+    return tuple((_q(metric, q), f"p{int(q * 100)} {{{{lane}}}}") for q in (0.5, 0.9, 0.99))
+
+
+def http_5xx_share(window: str) -> str:
+    """Per route, the share of its answers over `window` that are 5xx, not counting
+    the 503 `shutting_down` of a deployment that drains (every rolling upgrade's) nor
+    the readiness / liveness probes' routes. The error counter carries the code; the
+    503 / 500 series of every route exist at 0 from the start (`IngressCounters`)."""
+    errors = 'spur:http_errors_total{status=~"5..", code!="shutting_down", route!~"/health.*"}'
+    answers = 'spur:http_requests_total{route!~"/health.*"}'
+    return (
+        f"sum by (route) (rate({errors}[{window}])) / "
+        f"(sum by (route) (rate({answers}[{window}])) > 0)"
+    )
 
 
 @dataclass(frozen=True)
@@ -68,34 +93,16 @@ OVERVIEW = Dashboard(
         Panel(
             "Tokens/s",
             (
-                (f"sum(rate(vllm:prompt_tokens_total{SEL}[{RI}]))", "prompt"),
-                (f"sum(rate(vllm:generation_tokens_total{SEL}[{RI}]))", "generation"),
+                (f"sum by (lane) (rate(vllm:prompt_tokens_total{SEL}[{RI}]))", "prompt {{lane}}"),
+                (
+                    f"sum by (lane) (rate(vllm:generation_tokens_total{SEL}[{RI}]))",
+                    "generation {{lane}}",
+                ),
             ),
         ),
-        Panel(
-            "Time to first token",
-            tuple(
-                (_q("vllm:time_to_first_token_seconds", q), f"p{int(q * 100)}")
-                for q in (0.5, 0.9, 0.99)
-            ),
-            "s",
-        ),
-        Panel(
-            "Inter-token latency",
-            tuple(
-                (_q("vllm:inter_token_latency_seconds", q), f"p{int(q * 100)}")
-                for q in (0.5, 0.9, 0.99)
-            ),
-            "s",
-        ),
-        Panel(
-            "End-to-end latency",
-            tuple(
-                (_q("vllm:e2e_request_latency_seconds", q), f"p{int(q * 100)}")
-                for q in (0.5, 0.9, 0.99)
-            ),
-            "s",
-        ),
+        Panel("Time to first token", _quantiles("vllm:time_to_first_token_seconds"), "s"),
+        Panel("Inter-token latency", _quantiles("vllm:inter_token_latency_seconds"), "s"),
+        Panel("End-to-end latency", _quantiles("vllm:e2e_request_latency_seconds"), "s"),
         Panel(
             "Running and waiting",
             (
@@ -144,6 +151,17 @@ OVERVIEW = Dashboard(
             ),
             "reqps",
         ),
+        Panel(
+            "5xx share of answers",
+            ((http_5xx_share(RI), "{{route}}"),),
+            "percentunit",
+            description=(
+                "Per route, the share of answers that were 5xx (a drain's 503 "
+                "shutting_down and the /health probes not counted): what the SpurHTTP5xx "
+                f"alert watches over {HTTP_5XX_WINDOW} (above {HTTP_5XX_SHARE:.0%} for "
+                f"{HTTP_5XX_WINDOW})."
+            ),
+        ),
     ),
 )
 
@@ -184,19 +202,40 @@ CAPACITY = Dashboard(
             ),
         ),
         Panel(
-            "Leak detector violations",
+            "Leak detector violations (last 10 min)",
             (
                 (
-                    f"sum by (lane, engine) (spur:kv_leak_violations_total{SEL})",
+                    f"sum by (lane, engine) (increase(spur:kv_leak_violations_total{SEL}[10m]))",
                     "{{lane}} {{engine}}",
                 ),
             ),
+            description=(
+                "Requests the leak detector saw holding more blocks than the capacity "
+                "formula allows, in the 10 minutes before each point (the window of the "
+                "SpurKVLeakViolations alert): anything above 0 is a leak."
+            ),
         ),
         Panel(
-            "Claimed vs measured concurrency",
+            "Claimed capacity vs KV in use (max-length requests)",
             (
                 (f"sum by (lane) (spur:capacity_claimed_max_concurrency{SEL})", "claimed {{lane}}"),
-                (f"sum by (lane) (vllm:num_requests_running{SEL})", "running {{lane}}"),
+                (
+                    f"sum by (lane) (vllm:kv_cache_usage_perc{SEL} * "
+                    f"spur:capacity_claimed_max_concurrency{SEL})",
+                    "KV in use {{lane}}",
+                ),
+                (
+                    f"sum by (lane) (vllm:num_requests_running{SEL})",
+                    "running, any length {{lane}}",
+                ),
+            ),
+            description=(
+                "claimed: the requests of max_model_len the replicas' KV pools hold "
+                "together (the start-up claim). KV in use: the blocks in use, counted in "
+                "such requests (KV usage x claimed, per replica): when it reaches the "
+                "claim, the pools are full. running: the requests running now, of any "
+                "length; short requests can run many more than the claim, so running "
+                "above claimed is no overcommit and running below it no spare room."
             ),
         ),
         Panel(
@@ -238,13 +277,15 @@ LANES = Dashboard(
             ),
         ),
         Panel(
-            "Failovers",
+            "Failovers (last 10 min)",
             (
                 (
-                    f"sum by (lane, from, to, reason) (increase(spur:lane_failovers_total[{RI}]))",
+                    "sum by (lane, from, to, reason) "
+                    '(increase(spur:lane_failovers_total{lane=~"$lane"}[10m]))',
                     "{{lane}} {{from}} -> {{to}} ({{reason}})",
                 ),
             ),
+            description="Lane target switches in the 10 minutes before each point.",
         ),
         Panel(
             "Retries, continuations, replica failures",
@@ -276,6 +317,33 @@ LANES = Dashboard(
         Panel(
             "Replica health",
             ((f"max by (lane, engine, node) (spur:replica_healthy{SEL})", "{{lane}} {{engine}}"),),
+        ),
+        Panel(
+            "Unhealthy replicas",
+            ((f"sum by (lane) (1 - spur:replica_healthy{SEL})", "{{lane}}"),),
+            description=(
+                "Replicas the KV index lists but holds unhealthy (failed, stuck, silent "
+                "past the heartbeat timeout, or on a node in a restart loop): no request "
+                "is routed to them. A gone replica is listed until a new one starts on its "
+                "node or it has been silent for 10 minutes."
+            ),
+        ),
+        Panel(
+            "Engine stats age",
+            (
+                (
+                    f"max by (lane, engine) (spur:engine_stats_age_seconds{SEL}) "
+                    f"and on (lane, engine) max by (lane, engine) (spur:replica_healthy{SEL})",
+                    "{{lane}} {{engine}}",
+                ),
+            ),
+            "s",
+            description=(
+                "Seconds since each listed replica's statistics last reached the KV index "
+                "(they come about every second, with its heartbeat): a replica whose age "
+                "grows past a few seconds is not reporting, and its counters in every "
+                "other panel are stale (drained replicas, which left the index, not shown)."
+            ),
         ),
         Panel(
             "Routing decisions by reason",
@@ -382,12 +450,24 @@ ALERTS = (
     ),
     Alert(
         "SpurHTTP5xx",
-        # a readiness probe's 503 (starting, draining) is an answer, not a server error
-        'sum by (route, status) (rate(spur:http_requests_total{status=~"5..", '
-        'route!~"/health.*"}[5m])) > 0',
-        "1m",
+        # A share, for as long again as its window: one 5xx (or a few in a busy
+        # minute) is not a page; a drain's 503 shutting_down (every rolling upgrade's)
+        # and a readiness probe's 503 (starting, draining) are answers, not errors.
+        f"{http_5xx_share(HTTP_5XX_WINDOW)} > {HTTP_5XX_SHARE}",
+        HTTP_5XX_WINDOW,
         "warning",
-        "spur answers {{ $labels.status }} on {{ $labels.route }}.",
+        f"More than {HTTP_5XX_SHARE:.0%} of the answers on {{{{ $labels.route }}}} have been "
+        f"5xx for {HTTP_5XX_WINDOW} (a drain's 503 shutting_down not counted).",
+    ),
+    Alert(
+        "SpurReplicaUnhealthy",
+        # A gone replica stays listed (unhealthy) until a new one starts on its node
+        # or for 10 minutes of silence: 15 minutes means one that still reports.
+        "max by (lane, engine, node) (spur:replica_healthy) == 0",
+        "15m",
+        "warning",
+        "Replica {{ $labels.engine }} of lane {{ $labels.lane }} on {{ $labels.node }} has "
+        "been unhealthy for 15 minutes: no request is routed to it.",
     ),
 )
 

@@ -839,6 +839,7 @@ class Ingress:
                 "priority": int(params.extra.get("priority", 0) or 0),
                 "cache_salt": salt,
                 "session": session,
+                "lane": lane.name,  # a spare's metrics count the request on this lane
             }
             for i, ids in enumerate(prompts)
         ]

@@ -18,7 +18,9 @@ are the most any one of them counted); engine replicas that went away keep their
 for `retain_s` (Prometheus sees a new `engine` label for their successor).
 
 Names: vLLM's exactly (`vllm:*`, with `model_name`, `engine` and spur's `lane`
-label), spur's own under `spur:`. Rendering uses prometheus_client's metric
+label), spur's own under `spur:`. A request's series carry the lane it came for (a
+spare's requests: the lane of each, as the engine reports them apart); an engine's
+own series its replica's lane. Rendering uses prometheus_client's metric
 families (no hand-written exposition format). Pure Python apart from
 prometheus_client; no Ray, no torch.
 """
@@ -78,7 +80,24 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 # -- the ingress side -------------------------------------------------------------------
-SEEDED_ERRORS = (("429", "queue_full"), ("500", "internal_error"), ("503", "service_unavailable"))
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/health/live",
+        "/version",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+    }
+)
+"""The route labels of the API's own paths (`route_of`)."""
+API_ROUTES = ("/v1/completions", "/v1/chat/completions")
+SEEDED_ERRORS = (("500", "internal_error"), ("503", "service_unavailable"))
+"""(status, code) of the error series of every route in ROUTES that exist at 0 from
+the start; the API routes' also (429, queue_full)."""
 
 
 class IngressCounters:
@@ -90,10 +109,13 @@ class IngressCounters:
         self.requests: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[tuple[str, str, str]] = Counter()
         self.failovers: Counter[tuple[str, str, str, str]] = Counter()
-        # The error series alerts watch exist at 0 from the start: Prometheus's
-        # rate() sees no increase in a series whose first sample is already 1.
-        for route in ("/v1/completions", "/v1/chat/completions"):
-            for status, code in SEEDED_ERRORS:
+        # The error series alerts and panels watch exist at 0 from the start:
+        # Prometheus's rate() sees no increase in a series whose first sample is 1.
+        for route in sorted(ROUTES):
+            seeded = (
+                (*SEEDED_ERRORS, ("429", "queue_full")) if route in API_ROUTES else SEEDED_ERRORS
+            )
+            for status, code in seeded:
                 self.requests[(route, status)] += 0
                 self.errors[(route, status, code)] += 0
 
@@ -116,20 +138,6 @@ class IngressCounters:
 
 HTTP = IngressCounters()
 """This process's counters (an ingress replica's; empty elsewhere)."""
-
-
-ROUTES = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/models",
-        "/health",
-        "/version",
-        "/metrics",
-        "/tokenize",
-        "/detokenize",
-    }
-)
 
 
 ADMIN_ROUTES = frozenset(
@@ -390,11 +398,17 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         "1 while the KV index holds the replica healthy.",
         labels=[*ENGINE_LABELS, "node"],
     )
+    spare_cfg = config.get("spare") or {}
     for rid, entry in sorted(engines.items()):
         lane = entry["lane"]
         model, serves = models.get(lane, (lane, lane))
         labels = [model, rid, lane, serves]
         snap = entry["snapshot"]
+        # A spare's requests count on the lane they came for (the engine keeps them
+        # apart: "lanes"); only the lanes it serves become labels, so that the label
+        # set stays bounded by the config (anything else counts on its own lane).
+        served = set(spare_cfg.get("serves_lanes", ())) if lane == spare_cfg.get("name") else set()
+        own, others = _request_parts(snap, {other for other in served if other != lane})
         # Counters and histograms of a replica that left or failed stay (their totals
         # happened); its gauges (running, waiting, KV usage, blocks held) do not: the
         # last report of a dead replica is not what it runs now.
@@ -403,21 +417,25 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         live = "lanes" not in view or (rid in health and bool(health[rid][1].get("healthy")))
         if "age_s" in entry:
             age.add_metric(labels, entry["age_s"])
-        for name, value in snap.get("counters", {}).items():
-            if name in counters:
-                counters[name].add_metric(labels, value)
         for name, value in snap.get("gauges", {}).items():
             if name in gauges and live:
                 gauges[name].add_metric(labels, value)
-        for reason, n in sorted(snap.get("request_success", {}).items()):
-            success.add_metric([*labels, reason], n)
-        for name, h in snap.get("histograms", {}).items():
-            if name not in hists:
-                continue
-            bounds = [floatToGoString(b) for b in h["buckets"]] + ["+Inf"]
-            hists[name].add_metric(
-                labels, list(zip(bounds, h["cumulative"], strict=True)), h["sum"]
-            )
+        for part_labels, part in [
+            (labels, own),
+            *(([models[o][0], rid, o, serves], p) for o, p in sorted(others.items())),
+        ]:
+            for name, value in part.get("counters", {}).items():
+                if name in counters:
+                    counters[name].add_metric(part_labels, value)
+            for reason, n in sorted(part.get("request_success", {}).items()):
+                success.add_metric([*part_labels, reason], n)
+            for name, h in part.get("histograms", {}).items():
+                if name not in hists:
+                    continue
+                bounds = [floatToGoString(b) for b in h["buckets"]] + ["+Inf"]
+                hists[name].add_metric(
+                    part_labels, list(zip(bounds, h["cumulative"], strict=True)), h["sum"]
+                )
         for g in snap.get("capacity", ()) if live else ():
             gl = [*labels, str(g["group"]), g["kind"]]
             held.add_metric(gl, g["held"])
@@ -449,6 +467,43 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
     yield from (held, geometry, ratio, worst, peak, claimed, pool, age, healthy)
     if cache_info is not None:
         yield cache_info
+
+
+def _request_parts(
+    snap: dict[str, Any], lanes: set[str]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """An engine snapshot split by the lane its requests came for: (its own lane's
+    part: the snapshot's counters, request_success and histograms, {lane: part} for
+    each of `lanes` it served). A part of another lane (not a label this engine may
+    carry) is added into its own part: its totals stay, under the engine's lane."""
+    own = {
+        "counters": dict(snap.get("counters", {})),
+        "request_success": dict(snap.get("request_success", {})),
+        "histograms": dict(snap.get("histograms", {})),
+    }
+    others: dict[str, dict[str, Any]] = {}
+    for lane, part in snap.get("lanes", {}).items():
+        if lane in lanes:
+            others[lane] = part
+            continue
+        for key in ("counters", "request_success"):
+            for name, n in part.get(key, {}).items():
+                own[key][name] = own[key].get(name, 0) + n
+        hists = own["histograms"]
+        for name, h in part.get("histograms", {}).items():
+            mine = hists.get(name)
+            if mine is None:
+                hists[name] = h
+            elif mine["buckets"] == h["buckets"]:  # an engine's histograms share buckets
+                hists[name] = {
+                    "buckets": mine["buckets"],
+                    "cumulative": [
+                        a + b for a, b in zip(mine["cumulative"], h["cumulative"], strict=True)
+                    ],
+                    "sum": mine["sum"] + h["sum"],
+                    "count": mine.get("count", 0) + h.get("count", 0),
+                }
+    return own, others
 
 
 def _cluster_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[Metric]:

@@ -36,6 +36,7 @@ class StandIn:
         self.dashboards: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str, Any]] = []
         self.conflict: int | None = None
+        self.post_answer: dict[str, Any] | None = None  # replaces a dashboard post's answer
 
 
 def make_handler(state: StandIn) -> type[BaseHTTPRequestHandler]:
@@ -91,6 +92,8 @@ def make_handler(state: StandIn) -> type[BaseHTTPRequestHandler]:
                     )
                 version = state.dashboards.get(uid, {}).get("version", 0) + 1
                 state.dashboards[uid] = {**body, "version": version}
+                if state.post_answer is not None:
+                    return self._answer(200, state.post_answer)
                 return self._answer(200, {"status": "success", "uid": uid, "version": version})
             return self._answer(404, {"message": f"stand-in does not serve {method} {self.path}"})
 
@@ -156,6 +159,97 @@ def test_push_errors_are_one_clear_line(grafana: tuple[str, StandIn]) -> None:
         push(url, token=TOKEN)
     with pytest.raises(PushError, match=r"cannot reach Grafana at http://127\.0\.0\.1:9/"):
         push("http://127.0.0.1:9/", token=TOKEN, timeout_s=2)
+
+
+@pytest.fixture
+def web_page() -> Iterator[str]:
+    """Not Grafana: 200 text/html to every method and path (an SSO login page, another
+    web app on the port), recording nothing."""
+
+    class Page(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _page(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b"<html><body>Sign in</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = _page
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_push_refuses_answers_that_are_not_grafanas(
+    web_page: str, grafana: tuple[str, StandIn]
+) -> None:
+    """A 2xx that is not Grafana's API is no success: a text/html page (it used to
+    report every dashboard pushed), or a dashboard post answered without Grafana's
+    status and uid."""
+    with pytest.raises(PushError, match=r"not a Grafana API answer") as err:
+        push(web_page, token=TOKEN)
+    assert f"{web_page}/api/health" in str(err.value) and "Sign in" in str(err.value)
+    url, state = grafana
+    state.post_answer = {"message": "accepted"}
+    with pytest.raises(PushError, match=r"/api/dashboards/db answered .*not a Grafana API"):
+        push(url, token=TOKEN)
+    state.post_answer = {"status": "success", "uid": "someone-else"}
+    with pytest.raises(PushError, match=r"not a Grafana API answer"):
+        push(url, token=TOKEN)
+    state.post_answer = None
+    assert push(url, token=TOKEN)["dashboards"] == [d.uid for d in D.DASHBOARDS]
+
+
+def test_push_keeps_what_an_operator_set_on_the_data_source(
+    grafana: tuple[str, StandIn],
+) -> None:
+    """An update merges spur's fields into the data source Grafana has: basic auth,
+    TLS settings, headers, an operator's timeInterval stay (a PUT of spur's minimal
+    body used to wipe them); secure values are never sent (Grafana keeps them)."""
+    url, state = grafana
+    state.datasources[D.DATASOURCE_UID] = {
+        "id": 7,
+        "uid": D.DATASOURCE_UID,
+        "orgId": 1,
+        "name": "spur-prometheus",
+        "type": "prometheus",
+        "access": "proxy",
+        "url": "http://old-prom:9090",
+        "basicAuth": True,
+        "basicAuthUser": "scraper",
+        "withCredentials": False,
+        "isDefault": True,
+        "version": 4,
+        "readOnly": False,
+        "jsonData": {
+            "httpHeaderName1": "X-Scope-OrgID",
+            "tlsSkipVerify": True,
+            "timeInterval": "30s",
+        },
+        "secureJsonFields": {"basicAuthPassword": True, "httpHeaderValue1": True},
+    }
+    assert push(url, token=TOKEN, prometheus_url="http://prom:9090")["datasource"] == "updated"
+    (sent,) = [b for m, p, b in state.calls if m == "PUT" and "/api/datasources/uid/" in p]
+    assert sent["url"] == "http://prom:9090" and sent["type"] == "prometheus"
+    assert sent["basicAuth"] is True and sent["basicAuthUser"] == "scraper"
+    assert sent["isDefault"] is True and sent["version"] == 4
+    assert sent["jsonData"] == {
+        "httpHeaderName1": "X-Scope-OrgID",
+        "tlsSkipVerify": True,
+        "timeInterval": "30s",  # the operator's, over spur's 15s
+        "httpMethod": "POST",
+    }
+    assert "secureJsonFields" not in sent and "secureJsonData" not in sent
 
 
 def test_push_cli_reports_errors_without_traceback(grafana: tuple[str, StandIn]) -> None:
@@ -238,7 +332,7 @@ def _fired(name: str, **labels: str) -> dict[str, Any]:
 
 def test_the_alerts_fire_and_resolve_on_synthetic_series(tmp_path: Path) -> None:
     """`promtool test rules` on the chart's rule file: each alert fires when its
-    condition holds and clears when it stops, and ordinary answers do not page."""
+    condition holds and clears when it stops (the 5xx alert: test_rules.py)."""
     rules = ROOT / "helm" / "spur" / "files" / "alerts.yaml"
     engine = 'lane="chat",engine="r1",model_name="smol",serves="chat"'
     hit_rate = _panel_expr("Prefix cache hit rate")
@@ -280,30 +374,6 @@ def test_the_alerts_fire_and_resolve_on_synthetic_series(tmp_path: Path) -> None
                         "exp_alerts": [_fired("SpurRestartLoop", lane="chat", node="n2")],
                     },
                     {"eval_time": "11m", "alertname": "SpurRestartLoop", "exp_alerts": []},
-                ],
-            },
-            {  # readiness probes answered 503 for 10 minutes (a long model load) do not
-                # page; an API route's 500s do
-                "name": "http_5xx",
-                "interval": "10s",
-                "input_series": [
-                    {
-                        "series": 'spur:http_requests_total{route="/health",status="503"}',
-                        "values": "0+1x60",
-                    },
-                    {
-                        "series": 'spur:http_requests_total{route="/v1/completions",status="500"}',
-                        "values": "0x20 0+1x40",
-                    },
-                ],
-                "alert_rule_test": [
-                    {
-                        "eval_time": "10m",
-                        "alertname": "SpurHTTP5xx",
-                        "exp_alerts": [
-                            _fired("SpurHTTP5xx", route="/v1/completions", status="500")
-                        ],
-                    },
                 ],
             },
             {  # the hit-rate panel at 0.5 queried tokens/s, every one a hit: 1, not 0.5;

@@ -305,7 +305,9 @@ class EngineReplica:
         sampling_params (SamplingParams fields), optional prompt, priority,
         cache_salt, resumed and resumed_chars (a failover continuation: how many of the
         prompt's last ids are output streamed by another replica, and how many
-        characters of their text the client received; `AsyncEngine.generate`). Yields
+        characters of their text the client received; `AsyncEngine.generate`), lane
+        (the lane the request came for: a spare serves several; its per-request
+        metrics carry that lane's label; default this replica's own lane). Yields
         {"type": "delta", ...} items, then {"type": "final"} or a single
         {"type": "error", "status", "message", "param"}."""
         engine = self._engine()
@@ -319,8 +321,13 @@ class EngineReplica:
                 "replica_id": self.replica_id,
             }
             return
+        tagged: str | None = None  # the request counts on another lane's metrics
         try:
             params = SamplingParams(**payload.get("sampling_params", {}))
+            lane = payload.get("lane")
+            if engine.metrics is not None and isinstance(lane, str) and lane not in ("", self.lane):
+                tagged = payload["request_id"]
+                engine.metrics.tag(tagged, lane)
             stream = engine.generate(
                 payload["request_id"],
                 list(payload["prompt_token_ids"]),
@@ -363,6 +370,9 @@ class EngineReplica:
                 "param": None,
                 "replica_id": self.replica_id,
             }
+        finally:
+            if tagged is not None and engine.metrics is not None:
+                engine.metrics.untag(tagged)  # taken when the engine added it; else now
 
     async def stats(self) -> dict[str, Any]:
         engine = self._engine()

@@ -16,6 +16,13 @@ metrics store (`spur.cluster.metrics`), which renders every engine's snapshot
 with its labels. Counters and buckets only ever grow for the life of the
 engine, so a snapshot that is lost or sent twice changes nothing.
 
+Per-request statistics (tokens, finish reasons, latency and size histograms) count
+on the lane the request came for: a spare serves several lanes, and a request the
+replica's front `tag`s with another lane than its own counts in that lane's
+`LaneCounts` (snapshot key "lanes"), so that its series carry that lane's label.
+Per-step statistics (preemptions, prefix cache, iteration tokens, gauges, capacity)
+belong to the engine and stay on its own lane.
+
 Request phases follow vLLM's definitions (`vllm/v1/metrics/stats.py`):
 
     arrival ── queued ── scheduled ── prefill ── first token ── decode ── finished
@@ -89,6 +96,11 @@ HISTOGRAMS: dict[str, tuple[Sequence[float] | str, str]] = {
 }
 
 FINISH_REASONS = ("stop", "length", "abort")
+STEP_HISTOGRAMS = frozenset({"vllm:iteration_tokens_total"})
+"""Histograms observed per engine step (the engine's own lane); the rest per request."""
+MAX_TAGGED_LANES = 64
+"""Other lanes one engine counts requests for (a spare's served lanes, at most): a
+request tagged with a lane past this many counts on the engine's own lane."""
 
 
 @dataclass
@@ -124,11 +136,37 @@ class Histogram:
 
 
 @dataclass
+class LaneCounts:
+    """The per-request statistics of one lane's requests on an engine: prompt and
+    generation tokens, finishes by reason, the per-request histograms (the engine's
+    own lane's also holds the per-step ones: `STEP_HISTOGRAMS`)."""
+
+    histograms: dict[str, Histogram]
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    request_success: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0)
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe, in the snapshot's own shape: counters, request_success, histograms."""
+        return {
+            "counters": {
+                "vllm:prompt_tokens": self.prompt_tokens,
+                "vllm:generation_tokens": self.generation_tokens,
+            },
+            "request_success": dict(self.request_success),
+            "histograms": {name: h.to_dict() for name, h in list(self.histograms.items())},
+        }
+
+
+@dataclass
 class _Timing:
     """One request's timestamps (monotonic seconds) and token counts."""
 
     arrival: float
     num_prompt_tokens: int
+    counts: LaneCounts  # where its statistics count: its lane's
     parent: str = ""  # the request (n > 1: of its completions) it belongs to
     scheduled: float | None = None
     first_token: float | None = None
@@ -194,14 +232,14 @@ class EngineMetrics:
     ) -> None:
         self.clock = clock
         self.info = dict(info or {})
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.histograms = {
-            name: Histogram(tuple(token_buckets if b == "tokens" else b))  # type: ignore[arg-type]
-            for name, (b, _) in HISTOGRAMS.items()
-        }
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.request_success = dict.fromkeys(FINISH_REASONS, 0)
+        self._token_buckets = build_1_2_5_buckets(max_model_len)
+        self.own = LaneCounts(self._new_histograms(step=True))
+        """The engine's own lane: its requests (untagged ones) and its steps."""
+        self.lanes: dict[str, LaneCounts] = {}
+        """Other lanes whose requests this engine served (a spare's), by name."""
+        # request id -> the lane it came for, set by the replica's front before the
+        # request reaches the engine thread (`tag`), taken by `on_add`
+        self._tags: dict[str, str] = {}
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -224,16 +262,73 @@ class EngineMetrics:
         # request id -> [n, completions not finished yet], for an abort of the request
         self._open: dict[str, list[int]] = {}
 
+    # The engine's own lane's counts, under their historical names.
+    @property
+    def histograms(self) -> dict[str, Histogram]:
+        return self.own.histograms
+
+    @property
+    def request_success(self) -> dict[str, int]:
+        return self.own.request_success
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.own.prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value: int) -> None:
+        self.own.prompt_tokens = value
+
+    @property
+    def generation_tokens(self) -> int:
+        return self.own.generation_tokens
+
+    @generation_tokens.setter
+    def generation_tokens(self, value: int) -> None:
+        self.own.generation_tokens = value
+
+    def _new_histograms(self, *, step: bool) -> dict[str, Histogram]:
+        return {
+            name: Histogram(tuple(self._token_buckets if b == "tokens" else b))  # type: ignore[arg-type]
+            for name, (b, _) in HISTOGRAMS.items()
+            if step or name not in STEP_HISTOGRAMS
+        }
+
+    # -- the replica's front (event loop) ------------------------------------------------
+    def tag(self, req_id: str, lane: str) -> None:
+        """Request `req_id`, not yet added, came for `lane`, another lane than the
+        engine's own (a spare serving one of its lanes): its statistics count there.
+        Call `untag` when its stream ends (a request the engine never added leaves no
+        tag behind)."""
+        self._tags[req_id] = lane
+
+    def untag(self, req_id: str) -> None:
+        self._tags.pop(req_id, None)
+
     # -- engine thread ----------------------------------------------------------------
+    def _counts(self, lane: str | None) -> LaneCounts:
+        if lane is None:
+            return self.own
+        counts = self.lanes.get(lane)
+        if counts is None:
+            if len(self.lanes) >= MAX_TAGGED_LANES:
+                return self.own
+            counts = self.lanes[lane] = LaneCounts(self._new_histograms(step=False))
+        return counts
+
     def on_add(
         self, req_id: str, num_prompt_tokens: int, n: int = 1, arrival: float | None = None
     ) -> None:
         """A request entered the engine, with `n` completions (forks `Request.fork_id`),
-        having arrived at `arrival` (this clock; default now)."""
+        having arrived at `arrival` (this clock; default now); it counts on the lane
+        it was `tag`ged with (the engine's own lane when it was not)."""
         arrival = self.clock() if arrival is None else arrival
-        self._requests[req_id] = _Timing(arrival, num_prompt_tokens, req_id)
+        counts = self._counts(self._tags.pop(req_id, None))
+        self._requests[req_id] = _Timing(arrival, num_prompt_tokens, counts, req_id)
         for index in range(1, n):
-            self._requests[fork_id(req_id, index)] = _Timing(arrival, num_prompt_tokens, req_id)
+            self._requests[fork_id(req_id, index)] = _Timing(
+                arrival, num_prompt_tokens, counts, req_id
+            )
         self._open[req_id] = [n, n]
 
     def on_abort(self, req_id: str) -> None:
@@ -241,8 +336,9 @@ class EngineMetrics:
         longer tracked; each counted as finished_reason "abort" (vLLM counts aborts)."""
         n = self._open.pop(req_id, [1, 1])[0]
         for rid in [req_id, *(fork_id(req_id, i) for i in range(1, n))]:
-            if self._requests.pop(rid, None) is not None:
-                self.request_success["abort"] += 1
+            t = self._requests.pop(rid, None)
+            if t is not None:
+                t.counts.request_success["abort"] += 1
 
     def refresh_gauges(self, scheduler: Any) -> None:
         """Running, waiting and KV usage from `scheduler` now (after an abort, when no
@@ -297,18 +393,24 @@ class EngineMetrics:
             )
             step_generated += n
             if t is None:
+                self.own.generation_tokens += n
                 continue
+            counts = t.counts
             if n:
+                counts.generation_tokens += n
                 if t.first_token is None:
                     t.first_token = now
                     if t.scheduled is None:  # scheduled and finished in this one step
                         t.scheduled = scheduled_at
                     step_prompt += t.num_prompt_tokens
-                    self.histograms["vllm:time_to_first_token_seconds"].observe(now - t.arrival)
+                    counts.prompt_tokens += t.num_prompt_tokens
+                    counts.histograms["vllm:time_to_first_token_seconds"].observe(now - t.arrival)
                 elif t.last_token is not None:
                     # One observation per output, however many tokens it holds
                     # (accepted drafts), as vLLM records it.
-                    self.histograms["vllm:inter_token_latency_seconds"].observe(now - t.last_token)
+                    counts.histograms["vllm:inter_token_latency_seconds"].observe(
+                        now - t.last_token
+                    )
                 t.last_token = now
                 t.num_generated += n
             if out.finish_reason is not None:
@@ -318,9 +420,7 @@ class EngineMetrics:
                     else reasons.get(out.req_id, out.finish_reason)
                 )
                 self._finished(out.req_id, t, reason, now)
-        self.prompt_tokens += step_prompt
-        self.generation_tokens += step_generated
-        self.histograms["vllm:iteration_tokens_total"].observe(
+        self.own.histograms["vllm:iteration_tokens_total"].observe(
             stats.num_scheduled_tokens or (step_prompt + step_generated)
         )
         self.num_preemptions = stats.total_preemptions
@@ -368,8 +468,9 @@ class EngineMetrics:
             counts[1] -= 1
             if counts[1] <= 0:  # the request's last completion
                 del self._open[t.parent]
-        self.request_success[reason] = self.request_success.get(reason, 0) + 1
-        h = self.histograms
+        success = t.counts.request_success
+        success[reason] = success.get(reason, 0) + 1
+        h = t.counts.histograms
         scheduled = t.scheduled if t.scheduled is not None else now
         first = t.first_token if t.first_token is not None else now
         h["vllm:e2e_request_latency_seconds"].observe(now - t.arrival)
@@ -395,7 +496,10 @@ class EngineMetrics:
         self._worst_since_snapshot = merged
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything, JSON-safe: counters (cumulative), gauges, histograms, info.
+        """Everything, JSON-safe: counters (cumulative), gauges, histograms, info;
+        and, when the engine served other lanes' requests (a spare), "lanes": {lane:
+        its requests' counters, request_success and histograms (`LaneCounts.to_dict`)}
+        (the rest, at the top, is the engine's own lane's and its steps').
 
         Capacity's `worst_ratio` is the worst request's held/geometry over the samples
         since the previous snapshot (and the latest one), so each call starts a new
@@ -435,6 +539,11 @@ class EngineMetrics:
                 for g in self.capacity
             ],
             "histograms": {name: h.to_dict() for name, h in list(self.histograms.items())},
+            **(
+                {"lanes": {lane: c.to_dict() for lane, c in list(self.lanes.items())}}
+                if self.lanes
+                else {}
+            ),
             "info": dict(self.info),
         }
 
