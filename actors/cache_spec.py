@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_CPU_KV_BYTES = 2 << 30
+"""The KV pool of a CPU engine whose cache sets neither num_kv_blocks nor kv_cache_bytes
+(`cache.kv_cache_bytes` null; the worker sizes it, `spur capacity` assumes it)."""
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

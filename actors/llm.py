@@ -46,6 +46,11 @@ class LLM:
         max_model_len: default the model's max_position_embeddings, capped to
             what one request can hold in the pool.
     Raises ValueError for an unknown keyword or a value the schema refuses.
+
+    With tensor_parallel_size > 1 the workers are processes started with
+    multiprocessing's spawn, which re-runs the main script in each of them: a script
+    must create its LLM under `if __name__ == "__main__":` (vLLM's rule too), else every
+    worker builds an LLM of its own and dies, and `WorkerError` says so.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -104,10 +109,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        instead: str = (
+            "call generate with a prompt you format yourself, or load a model whose "
+            "tokenizer has a chat template"
+        ),
     ) -> list[int]:
         """Token ids of a chat, with the tokenizer's chat template (by default ending
         with the assistant's turn opener). Raises ValueError (ChatTemplateError) when
-        the model has no template or it refuses the messages."""
+        the model has no tokenizer, or no template (the message then offers `instead`:
+        what the caller can do without one; the CLI names its flags), or the template
+        refuses the messages."""
         if self.tokenizer is None:
             raise ValueError(f"{self.info.model_dir} has no tokenizer: chat needs one")
         # The template already holds the special tokens (BOS, role markers).
@@ -117,6 +128,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             template_kwargs=chat_template_kwargs,
+            instead=instead,
         )
 
     # -- generation ---------------------------------------------------------------------
@@ -134,6 +146,12 @@ class LLM:
         check_token_ids(token_ids, self.info.vocab_size)
         eos, more_eos = self.eos_token_ids
         params = with_eos(params, more_eos)
+        # The ingress's rule (`api_requests.to_sampling_params`): override_generation_config's
+        # max_new_tokens caps every request's max_tokens, explicit ones included. (The
+        # fallback is unused: max_tokens is always set here.)
+        max_tokens = self.sampling_defaults.max_tokens(params.max_tokens, params.max_tokens)
+        if max_tokens != params.max_tokens:
+            params = params.with_changes(max_tokens=max_tokens)
         request = self.scheduler.make_request(rid, token_ids, params, eos_token_id=eos)
         # The processor first: it refuses what it cannot follow (stop strings without a
         # tokenizer) before the engine holds a request nobody would collect.
@@ -194,14 +212,15 @@ class LLM:
         self,
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order.
 
         `prompts`: one prompt or a list of them, each text, token ids, or a vLLM prompt
         dict ({"prompt": text} or {"prompt_token_ids": ids}). `use_tqdm`: a progress
-        bar on stderr (vLLM's keyword; off by default here). Raises RequestRejected (a
+        bar on stderr (vLLM's third argument; off by default here). An
+        `override_generation_config` max_new_tokens caps every prompt's max_tokens, as on
+        the HTTP API. Raises RequestRejected (a
         ValueError naming the fix) for a prompt that can never run, before any prompt
         starts; ValueError for a prompt of another form; RuntimeError while another
         call of this LLM runs, or after `shutdown`.
@@ -224,11 +243,13 @@ class LLM:
                     ids.append(self._add(prompt, p, processor))
                 results = {rid: processor.requests[rid].output for rid in ids}
                 bar = _progress(len(ids)) if use_tqdm else None
-                for _ in self._run(processor):
+                try:
+                    for _ in self._run(processor):
+                        if bar is not None:
+                            bar.update(sum(o.finished for o in results.values()) - bar.n)
+                finally:  # a bar left open redraws itself over the traceback
                     if bar is not None:
-                        bar.update(sum(o.finished for o in results.values()) - bar.n)
-                if bar is not None:
-                    bar.close()
+                        bar.close()
             except BaseException:  # a refused prompt, an interrupt: leave nothing behind
                 self.scheduler.abort_requests(ids)
                 raise
@@ -238,15 +259,16 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"}) or a list
-        of them, through the tokenizer's chat template, then `generate`. Raises
-        ValueError (ChatTemplateError) when the model has no template or it refuses."""
+        of them, through the tokenizer's chat template, then `generate` (`use_tqdm` its
+        third argument, as vLLM's). Raises ValueError (ChatTemplateError) when the model
+        has no template or it refuses."""
         many = bool(messages) and not isinstance(messages[0], Mapping)
         conversations = list(messages) if many else [messages]
         prompts = [

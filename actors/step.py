@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,7 +47,9 @@ to it, so that only 0 is greedy."""
 class SamplingParams:
     """How to pick tokens and when to stop; immutable once built.
 
-    Raises `SamplingParamsError` (a ValueError) naming the first bad parameter.
+    Raises `SamplingParamsError` (a ValueError) naming the first bad parameter, for a
+    value out of range and for one of the wrong type (`temperature="0.5"`,
+    `stop_token_ids=[True]`).
     """
 
     n: int = 1
@@ -74,17 +76,19 @@ class SamplingParams:
     """Divides positive (multiplies negative) logits of prompt and output tokens. > 0
     (1 disables), as in vLLM."""
     max_tokens: int = 16
-    """Most tokens to generate (>= 1)."""
+    """Most tokens to generate (>= 1). A request also stops at max_model_len. None (vLLM's
+    "up to max_model_len") is refused: give max_model_len for that."""
     min_tokens: int = 0
     """Stop tokens and EOS are suppressed until this many tokens exist (<= max_tokens)."""
     stop: tuple[str, ...] = ()
-    """Stop strings, matched on the detokenized text (not part of the output), in text
-    that the tokens after the first `min_tokens` complete."""
+    """Stop strings (one string, a list, or None for none), matched on the detokenized
+    text (not part of the output), in text that the tokens after the first `min_tokens`
+    complete."""
     include_stop_str_in_output: bool = False
     """Keep the stop string, or the text of the stop token (EOS, stop_token_ids), that
     ended a completion in its text (vLLM's extra). The token ids always hold it."""
     stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end the request (in addition to EOS unless ignore_eos)."""
+    """Token ids that end the request (in addition to EOS unless ignore_eos); None: none."""
     ignore_eos: bool = False
     """Keep generating through the model's EOS token."""
     masked_eos_token_ids: tuple[int, ...] = ()
@@ -102,13 +106,16 @@ class SamplingParams:
     """Free-form fields a front end wants carried along (never read by the core)."""
 
     def __post_init__(self) -> None:
-        # Normalise lists to tuples so that the object stays hashable and frozen.
+        # Normalise lists to tuples so that the object stays hashable and frozen; None is
+        # no stop strings / ids, as vLLM's default.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "masked_eos_token_ids", tuple(self.masked_eos_token_ids))
+            stop = _as_tuple("stop", self.stop, "a string or a list of strings")
+            object.__setattr__(self, "stop", stop)
+        for name in ("stop_token_ids", "masked_eos_token_ids"):
+            ids = _as_tuple(name, getattr(self, name), "a list of non-negative integers")
+            object.__setattr__(self, name, ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM: no seed
@@ -126,6 +133,21 @@ class SamplingParams:
         def bad(param: str, value: object, allowed: str) -> SamplingParamsError:
             return SamplingParamsError(param, f"{param}={value!r} is invalid: allowed {allowed}")
 
+        # A string, None or a boolean where a number is meant would fail the range checks
+        # below with a TypeError naming no parameter.
+        for name in _FLOAT_PARAMS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, value, "a number")
+        if self.max_tokens is None:
+            # vLLM's None: up to the room max_model_len leaves. Not here: max_tokens is an
+            # int through the engine core; a request stops at max_model_len anyway.
+            raise SamplingParamsError(
+                "max_tokens",
+                "max_tokens=None is invalid: allowed an integer >= 1 (leave it out for 16; "
+                "to generate until the context is full, as vLLM's None, give max_tokens="
+                "max_model_len: a request stops there, finish_reason 'length')",
+            )
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             raise bad("n", self.n, "an integer in [1, 128]")
         if not 0.0 <= self.temperature <= 100.0:
@@ -156,7 +178,7 @@ class SamplingParams:
             raise bad("stop", self.stop, "non-empty strings")
         for name in ("stop_token_ids", "masked_eos_token_ids"):
             ids = getattr(self, name)
-            if any(not isinstance(t, int) or t < 0 for t in ids):
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
                 raise bad(name, ids, "non-negative integers")
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20
@@ -175,6 +197,27 @@ class SamplingParams:
     def with_changes(self, **changes: object) -> SamplingParams:
         """A validated copy with some fields replaced (for example n=1 for forks)."""
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+_FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+"""The parameters that take a number (an int or a float, not a boolean)."""
+
+
+def _as_tuple(param: str, value: object, allowed: str) -> tuple[Any, ...]:
+    """`value` (a list, tuple or other iterable; None: empty) as a tuple. Raises
+    SamplingParamsError naming `param` for a value that is not a collection."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise SamplingParamsError(param, f"{param}={value!r} is invalid: allowed {allowed}")
+    return tuple(value)
 
 
 # -- scheduler output / model-runner output ----------------------------------------------

@@ -9,7 +9,8 @@
     spur top --url URL [--once] [--admin-key KEY]
 
 Misuse (an unknown or repeated subcommand, a missing file, a bad value) is a
-one-line error with the usage and exit status 2, never a traceback.
+one-line error with the usage and exit status 2, never a traceback; Ctrl-C ends any
+command with exit status 130 and one line.
 """
 
 from __future__ import annotations
@@ -130,8 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size = cap.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="pool size in blocks (null included)")
-    size.add_argument("--kv-bytes", type=_positive, help="pool size in bytes (default 4 GiB)")
-    cap.add_argument("--kv-dtype", default="bfloat16", help="float32 | bfloat16 | float16 | fp8")
+    size.add_argument(
+        "--kv-bytes",
+        type=_positive,
+        help="pool size in bytes (default: the engine's on CPU, cache.kv_cache_bytes unset)",
+    )
+    cap.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 | fp8 (default: a geometry YAML's dtype, else the "
+        "engine's, cache.kv_cache_dtype)",
+    )
     cap.add_argument(
         "--state-dtype",
         default=_engine_default("cache", "state_dtype"),
@@ -529,6 +539,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         try:
             with urllib.request.urlopen(request, timeout=10) as resp:
                 body = resp.read()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise UsageError(_admin_key_refused(url, e.code, given=key is not None)) from None
+            raise UsageError(f"cannot read the live config at {url}: {e}") from None
         except (urllib.error.URLError, OSError) as e:
             raise UsageError(f"cannot read the live config at {url}: {e}") from None
         except ValueError:  # http.client's header check quotes the header: never shown
@@ -537,6 +551,8 @@ def cmd_config(args: argparse.Namespace) -> int:
             live = json.loads(body)
         except ValueError:
             raise UsageError(f"{url} did not answer with a JSON config") from None
+        if not isinstance(live, dict) or "lanes" not in live:
+            raise UsageError(_not_a_config(url, live))
         lines = diff(cfg, live)
         for line in lines:
             print(line)
@@ -544,6 +560,29 @@ def cmd_config(args: argparse.Namespace) -> int:
             print("no differences")
         return 1 if lines else 0
     raise UsageError("choose an action: show, diff")
+
+
+def _admin_key_refused(url: str, status: int, *, given: bool) -> str:
+    """`config diff`'s words for a 401 / 403 of GET /admin/config (never the key)."""
+    if given:
+        return (
+            f"{url} refused the admin key (HTTP {status}): give the server's admin key with "
+            "--api-key or SPUR_ADMIN_KEY"
+        )
+    return f"{url} needs an admin key (HTTP {status}): give it with --api-key or SPUR_ADMIN_KEY"
+
+
+def _not_a_config(url: str, live: Any) -> str:
+    """`config diff`'s words for JSON that is not a spur config (a list, a string, null,
+    an error object): one line, not a diff against it."""
+    error = live.get("error") if isinstance(live, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    if error is not None:
+        return f"{url} answered with an error, not a config: {' '.join(str(error).split())[:200]}"
+    what = type(live).__name__ if not isinstance(live, dict) else "an object without lanes"
+    what = {"NoneType": "null", "list": "a list", "str": "a string"}.get(what, what)
+    return f"{url} did not answer with a spur config (it sent {what}): is it a spur server?"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -578,7 +617,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(e.reason) from None
     try:
         prompt = (
-            llm.chat_prompt([{"role": "user", "content": args.prompt}])
+            llm.chat_prompt(
+                [{"role": "user", "content": args.prompt}],
+                instead="drop --chat and give --prompt the whole prompt, formatted yourself",
+            )
             if args.chat
             else args.prompt
         )
@@ -591,6 +633,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         logging.getLogger("spur.cli").info("finish_reason=%s", finish)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")  # end the streamed line; main() reports the interrupt
+        raise
     finally:
         llm.shutdown()
     return 0
@@ -636,33 +681,79 @@ def _engine_default(section: str, name: str) -> Any:
     return section_model.model_fields[name].default  # type: ignore[union-attr]
 
 
-def cmd_capacity(args: argparse.Namespace) -> int:
-    import json as _json
-    from pathlib import Path
+def _engine_kv_dtype() -> tuple[str, str]:
+    """(the KV dtype an engine with the schema's defaults stores, in words where it
+    comes from): cache.kv_cache_dtype, whose "auto" follows model.dtype."""
+    kv = _engine_default("cache", "kv_cache_dtype")
+    if kv != "auto":
+        return kv, f"the engine's default: cache.kv_cache_dtype {kv}"
+    model = _engine_default("model", "dtype")
+    if model != "auto":
+        return model, f"the engine's default: cache.kv_cache_dtype auto = model.dtype {model}"
+    return "bfloat16", "the engine's default follows the checkpoint's dtype: bfloat16 assumed"
 
+
+def _engine_kv_bytes() -> tuple[int, str]:
+    """(the pool's bytes an engine with the schema's defaults takes on CPU, in words)."""
+    configured = _engine_default("cache", "kv_cache_bytes")
+    if configured is not None:
+        return int(configured), "the engine's default: cache.kv_cache_bytes"
+    from spur.actors.cache_spec import DEFAULT_CPU_KV_BYTES  # what the worker reads
+
+    return DEFAULT_CPU_KV_BYTES, (
+        "the engine's CPU default, cache.kv_cache_bytes unset; on CUDA the engine sizes "
+        "the pool by gpu_memory_utilization: give --kv-bytes or --num-blocks for that"
+    )
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
     from spur.actors.engine.core import capacity as cap
 
+    engine_dtype, engine_dtype_source = _engine_kv_dtype()
     try:
-        geometry = cap.load_geometry(
-            args.model, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype
+        found = cap.read_geometry(
+            args.model,
+            kv_dtype=args.kv_dtype,
+            default_kv_dtype=engine_dtype,
+            state_dtype=args.state_dtype,
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
-    max_len = args.max_model_len
-    if max_len is None:
-        cfg_path = Path(args.model)
-        cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
-        max_len = 4096
-        if cfg_path.suffix == ".json":
-            max_len = int(_json.loads(cfg_path.read_text()).get("max_position_embeddings", 4096))
+    geometry = found.geometry
+    if args.kv_dtype:
+        dtype_source = "--kv-dtype"
+    elif found.kv_dtype_from_file:
+        dtype_source = "the geometry file's dtype"
+    else:
+        dtype_source = engine_dtype_source
+    max_len = args.max_model_len or found.max_position_embeddings or 4096
+    if args.max_model_len:
+        len_source = "--max-model-len"
+    elif found.max_position_embeddings:
+        len_source = "the model's max_position_embeddings"
+    else:
+        len_source = "a default: a geometry file names none"
     chunk = (
         args.max_num_batched_tokens
         or args.chunk
         or _engine_default("scheduler", "max_num_batched_tokens")
     )
-    kv_bytes = args.kv_bytes if args.num_blocks is None and args.kv_bytes else None
-    if args.num_blocks is None and kv_bytes is None:
-        kv_bytes = 4 << 30
+    kv_bytes = args.kv_bytes if args.num_blocks is None else None
+    if args.num_blocks is not None:
+        pool_source = "--num-blocks"
+    elif kv_bytes is not None:
+        pool_source = "--kv-bytes"
+    else:
+        kv_bytes, pool_source = _engine_kv_bytes()
+    if args.simulate_prompt:
+        total = args.simulate_prompt + max(1, args.decode)
+        if total > max_len:
+            raise UsageError(
+                f"--simulate-prompt {args.simulate_prompt:,} plus --decode {args.decode:,} "
+                f"(at least 1 token) is {total:,} tokens, more than max_model_len "
+                f"{max_len:,} ({len_source}): simulate a shorter request or raise "
+                "--max-model-len"
+            )
     try:
         report = cap.capacity(
             geometry,
@@ -675,6 +766,15 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     result: dict[str, Any] = report.to_dict()
+    result["kv_dtype"] = found.kv_dtype
+    result["kv_bytes"] = kv_bytes  # None: --num-blocks
+    result["assumes"] = {  # the same, in words, with where each comes from
+        "pool": f"{report.num_blocks:,} blocks"
+        + (f" from {kv_bytes / 2**30:.4g} GiB" if kv_bytes is not None else "")
+        + f" ({pool_source})",
+        "kv_dtype": f"{found.kv_dtype} ({dtype_source})",
+        "max_model_len": f"{max_len:,} ({len_source})",
+    }
     if args.simulate_prompt:
         groups, _ = cap.build_groups(geometry)
         try:
@@ -686,7 +786,14 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 chunk=args.chunk or chunk,
                 decode_tokens=args.decode,
             )
-        except ValueError as e:  # a pool that cannot hold the prompt
+        except cap.PoolTooSmall as e:
+            raise UsageError(
+                f"the pool's {e.usable:,} usable blocks ({pool_source}) cannot hold the "
+                f"simulated request of --simulate-prompt {args.simulate_prompt:,} plus "
+                f"--decode {args.decode:,} tokens, which needs {e.need:,}: give a larger "
+                "--num-blocks or --kv-bytes, or a smaller --simulate-prompt"
+            ) from None
+        except ValueError as e:  # the scheduler refuses the block size / chunk
             raise UsageError(str(e)) from None
         result["simulation"] = sim.to_dict()
         result["peak_blocks_held"] = sim.peak_blocks_held
@@ -700,6 +807,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def _print_capacity(r: dict[str, Any]) -> None:
     print(f"model {r['model']}: {r['num_blocks']:,} blocks of {r['block_size']} tokens")
+    for name, value in r["assumes"].items():
+        print(f"  assumes {name}: {value}")
     print(
         f"  tokens {r['tokens']:,} (the longest context one request holds alone), "
         f"block {r['block_bytes']:,} B, padding {r['padding_percent']}%"
@@ -995,6 +1104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"spur: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, no traceback
+        print("spur: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -347,3 +347,59 @@ def test_bench_engine_quick_runs_the_quick_workload_unless_requests_is_given() -
     parser = cli.build_parser()
     assert parser.parse_args(["bench", "engine", "--quick"]).requests is None
     assert parser.parse_args(["bench", "engine", "--quick", "--requests", "16"]).requests == 16
+
+
+def test_config_diff_of_a_refusal_or_a_non_config_is_one_line_and_exit_2(capsys, monkeypatch):
+    """From a review of the CLI: a 401 said only "HTTP Error 401: Unauthorized" (not
+    which key to give), and JSON that is not a config (a list, a string, null, an error
+    object) was diffed against the file: exit 1 and a diff of every field."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from spur.cluster import cli
+
+    for name in list(os.environ):
+        if name.startswith(("SPUR_API_KEY", "SPUR_ADM")):
+            monkeypatch.delenv(name)
+    bodies = {
+        "list": (200, "[1, 2]"),
+        "str": (200, '"hello"'),
+        "null": (200, "null"),
+        "err": (200, json.dumps({"error": {"message": "no such\nroute"}})),
+        "401": (401, '{"error": "unauthorized"}'),
+        "403": (403, '{"error": "forbidden"}'),
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = bodies[self.path.split("/")[1]]
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    expected = {
+        "list": "did not answer with a spur config (it sent a list)",
+        "str": "did not answer with a spur config (it sent a string)",
+        "null": "did not answer with a spur config (it sent null)",
+        "err": "answered with an error, not a config: no such route",
+        "401": "needs an admin key (HTTP 401): give it with --api-key or SPUR_ADMIN_KEY",
+        "403": "refused the admin key (HTTP 403): give the server's admin key with --api-key",
+    }
+    try:
+        for case, words in expected.items():
+            args = ["config", "diff", "local", "--url", f"{base}/{case}"]
+            if case == "403":
+                args += ["--api-key", SECRET]
+            assert cli.main(args) == 2, case
+            out, err = capsys.readouterr()
+            assert not out and err.startswith("spur: error: ") and err.count("\n") == 1, err
+            assert words in err and SECRET not in err, err
+    finally:
+        server.shutdown()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -29,9 +31,11 @@ class WorkerError(RuntimeError):
     `reason` the first one's error in one line (what a user acts on: the model
     path, the device)."""
 
-    def __init__(self, message: str, reason: str = "") -> None:
+    def __init__(self, message: str, reason: str = "", *, died: bool = False) -> None:
         super().__init__(message)
         self.reason = reason or message
+        self.died = died
+        """A worker process died during the call (it sent no traceback)."""
 
 
 def _last_line(text: str) -> str:
@@ -124,7 +128,13 @@ class MultiprocExecutor(Executor):
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.collective_rpc("init_device")
+        try:
+            self.collective_rpc("init_device")
+        except WorkerError as e:
+            hint = unguarded_main_hint() if e.died else None
+            if hint is None:
+                raise
+            raise WorkerError(f"{e}\n{hint}", f"{e.reason}: {hint}", died=True) from None
 
     def collective_rpc(
         self,
@@ -201,6 +211,7 @@ class MultiprocExecutor(Executor):
             raise WorkerError(
                 f"{method} failed on workers:\n" + "\n".join(errors),
                 reasons[0] if reasons else "",
+                died=bool(dead),
             )
         return results
 
@@ -276,6 +287,32 @@ class MultiprocExecutor(Executor):
             if proc.is_alive():
                 proc.kill()
         self.conns, self.procs = [], []
+
+
+def unguarded_main_hint() -> str | None:
+    """What to fix when a worker process died while starting and the main module is a
+    script: the likely cause. Workers are started with multiprocessing's spawn, which
+    imports the main script again in each of them; a script that builds its LLM at
+    module level (no `if __name__ == "__main__":`, as vLLM's examples often do) then
+    builds one in every worker, whose own start of processes fails ("An attempt has
+    been made to start a new process before the current process has finished its
+    bootstrapping phase"), and the worker exits before it answers. Whether the script
+    has the guard cannot be seen from here; None when there is no script to re-run
+    (python -c, a notebook) or it is spur's own command line."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    if (
+        not path
+        or os.path.basename(path) == "spur"
+        or getattr(spec, "name", "").startswith("spur.")
+    ):
+        return None
+    return (
+        f"if {path} creates the LLM at module level, put that code under "
+        '`if __name__ == "__main__":`: tensor_parallel_size > 1 starts worker processes '
+        "with multiprocessing's spawn, and each of them re-runs the main script"
+    )
 
 
 def make_executor(config: WorkerConfig) -> Executor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spur.actors.cache_spec import ModelGeometry
+from spur.actors.cache_spec import DEFAULT_CPU_KV_BYTES, ModelGeometry
 from spur.actors.step import ModelRunnerOutput, SchedulerOutput
 from spur.actors.worker import host_memory
 from spur.actors.worker.compute_dtype import cpu_flags, native_dtypes, pick_compute_dtype
@@ -27,8 +27,6 @@ from spur.actors.worker.model_runner import ModelRunner, kv_cache_dtype
 from spur.configs import cpu
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)

@@ -196,12 +196,12 @@ def test_leak_detector_fires_with_the_stop_at_null_loop(monkeypatch, caplog):
 def test_cli_capacity_simulation_json(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(HYBRID_CONFIG))
-    # States in bf16 like the KV cache (their default is float32, as cache.state_dtype).
+    # KV and states in bf16 (the engine's defaults, which spur capacity takes: float32).
     code = main(
         [
             "capacity", "--model", str(cfg), "--block-size", "800", "--num-blocks", "2000",
             "--max-model-len", "131072", "--simulate-prompt", "84495", "--chunk", "2048",
-            "--decode", "100", "--json", "--state-dtype", "bfloat16",
+            "--decode", "100", "--json", "--state-dtype", "bfloat16", "--kv-dtype", "bfloat16",
         ]
     )  # fmt: skip
     assert code == 0
@@ -241,3 +241,121 @@ def test_context_tokens_is_the_largest_that_fits():
     assert (
         cap.context_tokens(groups, usable_blocks=2, block_size=16, max_num_batched_tokens=64) == 0
     )
+
+
+def _capacity_json(capsys, *args: str) -> dict:
+    assert main(["capacity", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _capacity_error(capsys, *args: str) -> str:
+    """`spur capacity ARGS` ends with exit 2 and one line on stderr; that line."""
+    assert main(["capacity", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spur: error: ") and err.count("\n") == 1, err
+    return err
+
+
+GEOMETRY = (
+    "name: g\ndtype: {dtype}\nlayers:\n"
+    "  - {{kind: full_attention, count: 4, num_kv_heads: 2, head_dim: 64}}\n"
+)
+FULL = "{kind: full_attention, count: 2, num_kv_heads: 2, head_dim: 64}"
+
+
+def test_cli_capacity_sizes_pages_in_the_geometry_files_dtype(tmp_path, capsys):
+    """--kv-dtype defaulted to bfloat16 and always won over the file's `dtype:`: a
+    float32 geometry reported bf16 pages (half their size, twice the blocks)."""
+    f32, bf16 = tmp_path / "f32.yaml", tmp_path / "bf16.yaml"
+    f32.write_text(GEOMETRY.format(dtype="float32"))
+    bf16.write_text(GEOMETRY.format(dtype="bfloat16"))
+    page = 2 * 16 * 2 * 64  # K and V, 16 tokens, 2 heads, dim 64: elements
+    wide = _capacity_json(capsys, "--model", str(f32), "--num-blocks", "100")
+    assert wide["block_bytes"] == page * 4 * 4 and wide["kv_dtype"] == "float32"
+    assert wide["assumes"]["kv_dtype"] == "float32 (the geometry file's dtype)"
+    narrow = _capacity_json(capsys, "--model", str(bf16), "--num-blocks", "100")
+    assert narrow["block_bytes"] == page * 4 * 2
+    given = _capacity_json(
+        capsys, "--model", str(f32), "--num-blocks", "100", "--kv-dtype", "bfloat16"
+    )
+    assert given["block_bytes"] == page * 4 * 2 and given["assumes"]["kv_dtype"].endswith(
+        "(--kv-dtype)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("layers", "words"),
+    [
+        (
+            "  - {kind: full_attention, count: 4, head_dim: 64}",
+            "layers[0] (full_attention) has no 'num_kv_heads'",
+        ),
+        ("  - full_attention", "layers[0] is a str, not a mapping"),
+        (
+            f"  - {FULL}\n  - {{kind: sliding_attention, count: 2, num_kv_heads: 2, head_dim: 8}}",
+            "layers[1] (sliding_attention) has no 'window'",
+        ),
+        ("  - {kind: state, count: 2}", "layers[0] (state) has no 'state_bytes' or 'shapes'"),
+        ("  - {kind: state, count: 2, shapes: [[8, x]]}", "layers[0].shapes[0]='x' must be"),
+        (
+            "  - {kind: full_attention, num_kv_heads: 2, head_dim: 64}",
+            "layers[0] (full_attention) has no 'count'",
+        ),
+        (
+            "  - {kind: full_attention, count: 2, num_kv_heads: two, head_dim: 64}",
+            "layers[0].num_kv_heads='two' must be an integer >= 1",
+        ),
+    ],
+)
+def test_cli_capacity_names_the_layer_and_key_of_a_malformed_geometry(
+    tmp_path, capsys, layers, words
+):
+    """Each was a traceback (KeyError, AttributeError, TypeError) and exit 1."""
+    path = tmp_path / "geo.yaml"
+    path.write_text(f"name: bad\nlayers:\n{layers}\n")
+    err = _capacity_error(capsys, "--model", str(path), "--num-blocks", "100")
+    assert f"{path}: {words}" in err, err
+    path.write_text("name: bad\nlayers: {kind: full_attention}\n")
+    assert "layers must be a list of mappings" in _capacity_error(capsys, "--model", str(path))
+
+
+def test_cli_capacity_reads_max_model_len_from_the_text_config(tmp_path, capsys):
+    """A multimodal config.json (the decoder under text_config): the geometry came from
+    text_config, max_model_len from the top level's (absent: 4,096, not the 8,192)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["X"], "text_config": SMOLLM2_CONFIG}))
+    result = _capacity_json(capsys, "--model", str(cfg), "--num-blocks", "100")
+    assert result["max_model_len"] == 8192 and result["block_bytes"] > 0
+    assert result["assumes"]["max_model_len"] == "8,192 (the model's max_position_embeddings)"
+
+
+def test_cli_capacity_refuses_a_simulation_that_cannot_run_naming_its_flags(tmp_path, capsys):
+    """A --simulate-prompt beyond max_model_len ran anyway; a pool too small for it was
+    refused naming max_model_len (the simulation's own, prompt + decode + 1), which the
+    user never gave, and no flag."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**SMOLLM2_CONFIG, "max_position_embeddings": 256}))
+    err = _capacity_error(
+        capsys, "--model", str(cfg), "--num-blocks", "800", "--simulate-prompt", "300"
+    )
+    assert "--simulate-prompt 300 plus --decode 0 (at least 1 token) is 301 tokens" in err
+    assert "more than max_model_len 256 (the model's max_position_embeddings)" in err, err
+    assert "raise --max-model-len" in err
+    err = _capacity_error(
+        capsys, "--model", str(cfg), "--num-blocks", "8", "--simulate-prompt", "200"
+    )
+    assert "the pool's 7 usable blocks (--num-blocks) cannot hold" in err, err
+    assert "--simulate-prompt 200" in err and "larger --num-blocks or --kv-bytes" in err
+    assert "max_model_len" not in err
+    ok = _capacity_json(
+        capsys,
+        "--model",
+        str(cfg),
+        "--num-blocks",
+        "800",
+        "--simulate-prompt",
+        "200",
+        "--max-model-len",
+        "256",
+    )
+    assert ok["simulation"]["leak_violations"] == 0

@@ -347,9 +347,12 @@ def test_a_failover_continuation_samples_as_the_unbroken_request(tiny_model_dir)
         llm.shutdown()
 
 
-def _word_tokenizer_model(tiny_model_dir, tmp_path) -> Path:
-    """A copy of the tiny Llama with a word-level tokenizer ("t5 t6" -> [5, 6]) and a
-    chat template that joins the messages' contents."""
+def _word_tokenizer_model(
+    tiny_model_dir, tmp_path, *, chat_template: bool = True, positions: int | None = None
+) -> Path:
+    """A copy of the tiny Llama with a word-level tokenizer ("t5 t6" -> [5, 6]) and (unless
+    `chat_template` is false) a chat template that joins the messages' contents;
+    `positions`: its max_position_embeddings instead of 128 (a longer stream)."""
     import json
     import shutil
 
@@ -360,11 +363,15 @@ def _word_tokenizer_model(tiny_model_dir, tmp_path) -> Path:
 
     folder = tmp_path / "worded"
     shutil.copytree(tiny_model_dir("llama"), folder)
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
-    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    config = json.loads((folder / "config.json").read_text())
+    if positions is not None:
+        config["max_position_embeddings"] = positions
+        (folder / "config.json").write_text(json.dumps(config))
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
     words.pre_tokenizer = Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=words)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}t9"
+    if chat_template:
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}t9"
     tok.save_pretrained(folder)
     return folder
 
@@ -459,3 +466,165 @@ def test_an_interrupted_step_leaks_no_worker_state(tiny_model_dir):
     assert len(runner.requests.states) <= 1, sorted(runner.requests.states)
     assert runner.sampler_state._num_penalized == 0
     llm.scheduler.check_integrity()
+
+
+def test_override_max_new_tokens_caps_an_explicit_max_tokens(tiny_model_dir):
+    """engine.model.override_generation_config's max_new_tokens caps every request's
+    max_tokens, explicit ones included (the HTTP API's rule, vLLM's too): LLM and `spur
+    generate` ignored it and generated the request's 10."""
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        num_kv_blocks=64,
+        block_size=4,
+        override_generation_config={"max_new_tokens": 3},
+    )
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        (out,) = llm.generate([[5, 6, 7]], params)
+        assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+        streamed = [t for d in llm.stream([5, 6, 7], params) for t in d.token_ids]
+        assert streamed == out.outputs[0].token_ids
+        # under the cap, a request's own max_tokens stands
+        (short,) = llm.generate([[5, 6, 7]], params.with_changes(max_tokens=2))
+        assert len(short.outputs[0].token_ids) == 2
+        llm.scheduler.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_use_tqdm_is_positional_and_the_bar_closes_when_generate_raises(tiny_model_dir):
+    """vLLM's generate(prompts, sampling_params, use_tqdm): the third positional argument
+    was a TypeError. A generate that raised (an interrupt) left its bar open, to redraw
+    itself over whatever came next."""
+    from tqdm import tqdm
+
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)
+    real = llm.executor.execute_model
+    try:
+        (out,) = llm.generate([[5, 6, 7]], GREEDY, True)
+        assert len(out.outputs[0].token_ids) == 16
+        open_bars = len(tqdm._instances)
+        calls = [0]
+
+        def interrupted(scheduler_output):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+            return real(scheduler_output)
+
+        llm.executor.execute_model = interrupted
+        with pytest.raises(KeyboardInterrupt) as info:  # its traceback holds the bar
+            llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=True)
+        assert len(tqdm._instances) == open_bars, info  # closed, not left to the GC
+    finally:
+        llm.executor.execute_model = real
+        llm.shutdown()
+
+
+def test_offline_chat_without_a_template_names_the_offline_fix(tiny_model_dir, tmp_path):
+    """The error told offline users to use /v1/completions, an HTTP route they do not
+    have; LLM.chat now says to call generate (`spur generate --chat`: below)."""
+    from spur.actors.engine.shell.chat_template import ChatTemplateError
+
+    folder = _word_tokenizer_model(tiny_model_dir, tmp_path, chat_template=False)
+    llm = LLM(str(folder), num_kv_blocks=64, block_size=4)
+    try:
+        with pytest.raises(ChatTemplateError, match="no chat template: call generate") as info:
+            llm.chat([{"role": "user", "content": "t5 t6"}], GREEDY)
+        assert "/v1/completions" not in str(info.value)
+    finally:
+        llm.shutdown()
+
+
+def test_spur_generate_chat_without_a_template_says_drop_chat(tiny_model_dir, tmp_path, capsys):
+    """`spur generate --chat` on a model without a chat template: drop --chat (it said
+    use /v1/completions)."""
+    from spur.cluster.cli import main
+
+    folder = _word_tokenizer_model(tiny_model_dir, tmp_path, chat_template=False)
+    assert main(["generate", "--model", str(folder), "--prompt", "t5 t6", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template: drop --chat" in err and "/v1/completions" not in err, err
+    assert err.count("\n") == 1, err
+
+
+def test_ctrl_c_ends_spur_generate_with_130_and_no_traceback(tiny_model_dir, tmp_path):
+    """Ctrl-C while `spur generate` streamed: a KeyboardInterrupt traceback from deep in
+    torch and exit status -2 (killed by the signal). Now one line and 130, the shell's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    folder = _word_tokenizer_model(tiny_model_dir, tmp_path, positions=65536)
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "spur.cluster.cli", "generate", "--model", str(folder),
+            "--prompt", "t5 t6 t7", "--max-tokens", "60000", "--ignore-eos",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.read(1)  # it streams
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    text = err.decode()
+    assert proc.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and text.strip().endswith("spur: interrupted"), text[-3000:]
+
+
+def test_tp_without_a_main_guard_names_the_fix(tiny_model_dir, tmp_path):
+    """A vLLM-style script with LLM(..., tensor_parallel_size=2) at module level: the
+    spawned workers re-run it, fail to start processes of their own and die; the error
+    named only "the worker process died (exit code 1)"."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from spur.actors.worker.executors import MultiprocExecutor\n"
+        "MultiprocExecutor.failure_grace_s = 1.0  # do not wait long for the other rank\n"
+        "from spur import LLM\n"
+        f"llm = LLM({str(tiny_model_dir('llama'))!r}, tensor_parallel_size=2, "
+        "num_kv_blocks=16, block_size=4, num_threads=1)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"if {script} creates the LLM at module level" in last, res.stderr[-3000:]
+    assert 'under `if __name__ == "__main__":`' in last, last
+
+
+def test_spur_capacity_defaults_are_the_engines(tiny_model_dir, capsys):
+    """`spur capacity` without pool flags assumed 4 GiB of bf16 KV; the engine takes
+    2 GiB on CPU in model.dtype (float32): four times the blocks it really has. It now
+    takes the engine's defaults and says which it assumed."""
+    import json
+
+    from spur.cluster.cli import main
+
+    path = tiny_model_dir("llama")
+    assert main(["capacity", "--model", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    llm = LLM(str(path))
+    try:
+        assert report["num_blocks"] == llm.scheduler.kv.pool.num_blocks
+        assert report["max_model_len"] == llm.scheduler.config.max_model_len
+    finally:
+        llm.shutdown()
+    assert report["kv_dtype"] == "float32"
+    assert "cache.kv_cache_bytes unset" in report["assumes"]["pool"]
+    assert "model.dtype float32" in report["assumes"]["kv_dtype"]
+    assert main(["capacity", "--model", str(path)]) == 0
+    assert "assumes pool: " in capsys.readouterr().out

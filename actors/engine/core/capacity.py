@@ -55,6 +55,18 @@ logger = logging.getLogger(__name__)
 
 
 # -- geometry from a Hugging Face config.json or a small YAML -----------------------------
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config.json that describes the decoder: `text_config` of a
+    multimodal model's (when the top level has no num_hidden_layers), else the whole;
+    with `architectures` set to the model's. Every figure of a geometry
+    (`geometry_from_hf_config`) and its max_position_embeddings come from this dict."""
+    name = (cfg.get("architectures") or [cfg.get("model_type", "model")])[0]
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in cfg:
+        return {**text, "architectures": [name]}
+    return {**cfg, "architectures": [name]}
+
+
 def geometry_from_hf_config(
     cfg: dict[str, Any], *, kv_dtype: str = "bfloat16", state_dtype: str | None = None
 ) -> ModelGeometry:
@@ -64,10 +76,8 @@ def geometry_from_hf_config(
     sliding_attention, linear_attention (Gated DeltaNet, Qwen3-Next style),
     conv (LFM2)), and `layers_block_type` lists (attention / mamba, Mamba2).
     """
-    name = (cfg.get("architectures") or [cfg.get("model_type", "model")])[0]
-    text = cfg.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" not in cfg:
-        cfg = {**text, "architectures": [name]}
+    cfg = text_config(cfg)
+    name = cfg["architectures"][0]
     try:
         num_layers = int(cfg["num_hidden_layers"])
         hidden = int(cfg["hidden_size"])
@@ -177,48 +187,117 @@ def geometry_from_yaml(data: dict[str, Any], *, kv_dtype: str | None = None) -> 
       - {kind: full_attention, count: 8, num_kv_heads: 2, head_dim: 256}
       - {kind: sliding_attention, count: 8, num_kv_heads: 2, head_dim: 128, window: 4096}
       - {kind: state, count: 32, state_bytes: 1097728}   # or shapes: [[8192, 3], [32, 128, 128]]
+
+    Pages are sized in `kv_dtype`, else the file's `dtype`, else bfloat16.
+
+    Raises:
+        ValueError: an unknown key, a layer that is not a mapping, lacks a key its kind
+            needs or holds a value that is not a positive integer (the message names
+            `layers[i]` and the key).
     """
     allowed = {"name", "dtype", "layers"}
     unknown = set(data) - allowed
     if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    dtype = kv_dtype or data.get("dtype") or "bfloat16"
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype {dtype!r} is not a dtype name")
+    elem = dtype_bytes(dtype)
+    layers = data.get("layers") or []
+    if not isinstance(layers, list):
         raise ValueError(
-            f"geometry file: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+            "layers must be a list of mappings ({kind: ..., count: ...}), "
+            f"not a {type(layers).__name__}"
         )
-    elem = dtype_bytes(kv_dtype or data.get("dtype", "bfloat16"))
     kinds = []
-    for i, layer in enumerate(data.get("layers") or []):
+    for i, layer in enumerate(layers):
+        where = f"layers[{i}]"
+        if not isinstance(layer, dict):
+            raise ValueError(
+                f"{where} is a {type(layer).__name__}, not a mapping: write it as "
+                "{kind: full_attention, count: N, num_kv_heads: H, head_dim: D}"
+            )
         kind = layer.get("kind")
-        count = int(layer.get("count", 0))
-        if count < 1:
-            raise ValueError(f"layers[{i}].count must be >= 1")
+        if kind not in ("full_attention", "sliding_attention", "state"):
+            raise ValueError(
+                f"{where}.kind={kind!r}: use full_attention, sliding_attention or state"
+            )
+
+        count = _need(layer, "count", where)
         spec: KVCacheSpec
         if kind in ("full_attention", "sliding_attention"):
-            base = (int(layer["num_kv_heads"]), int(layer["head_dim"]), elem)
+            base = (_need(layer, "num_kv_heads", where), _need(layer, "head_dim", where), elem)
             spec = (
-                SlidingWindowSpec(*base, sliding_window=int(layer["window"]))
+                SlidingWindowSpec(*base, sliding_window=_need(layer, "window", where))
                 if kind == "sliding_attention"
                 else FullAttentionSpec(*base)
             )
-        elif kind == "state":
-            if "state_bytes" in layer:
-                size = int(layer["state_bytes"])
-            else:
-                size = sum(math.prod(shape) for shape in layer["shapes"]) * elem
-            spec = StateSpec(size)
+        elif "state_bytes" in layer:
+            spec = StateSpec(_need(layer, "state_bytes", where))
+        elif "shapes" in layer:
+            spec = StateSpec(_shapes_elements(layer["shapes"], f"{where}.shapes") * elem)
         else:
-            raise ValueError(
-                f"layers[{i}].kind={kind!r}: use full_attention, sliding_attention or state"
-            )
+            raise ValueError(f"{where} (state) has no 'state_bytes' or 'shapes': add one")
         kinds.append(LayerKind(kind, count, spec))
     if not kinds:
-        raise ValueError("geometry file lists no layers")
+        raise ValueError("the geometry file lists no layers: list them under `layers:`")
     return ModelGeometry(str(data.get("name", "model")), tuple(kinds))
 
 
-def load_geometry(
-    path: str | Path, *, kv_dtype: str = "bfloat16", state_dtype: str | None = None
-) -> ModelGeometry:
-    """From a model folder (its config.json), a config.json, or a YAML geometry."""
+def _need(layer: dict[str, Any], key: str, where: str) -> int:
+    """`layer[key]`, a positive integer; ValueError naming `where` and the key."""
+    if key not in layer:
+        raise ValueError(f"{where} ({layer['kind']}) has no {key!r}: add it")
+    return _positive_int(layer[key], f"{where}.{key}")
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}={value!r} must be an integer >= 1")
+    return value
+
+
+def _shapes_elements(shapes: Any, where: str) -> int:
+    """Elements of a state layer's `shapes` (a list of shapes, each a list of sizes)."""
+    if not isinstance(shapes, list) or not shapes:
+        raise ValueError(f"{where} must be a list of shapes, e.g. [[8192, 3]]")
+    total = 0
+    for j, shape in enumerate(shapes):
+        if not isinstance(shape, list) or not shape:
+            raise ValueError(f"{where}[{j}] must be a list of sizes")
+        total += math.prod(_positive_int(n, f"{where}[{j}]") for n in shape)
+    return total
+
+
+@dataclass(frozen=True)
+class GeometryFile:
+    """What `read_geometry` found in a model folder, config.json or geometry YAML."""
+
+    geometry: ModelGeometry
+    kv_dtype: str
+    """The dtype the attention pages are sized in."""
+    kv_dtype_from_file: bool
+    """The geometry YAML's `dtype:` chose `kv_dtype` (no kv_dtype was given)."""
+    max_position_embeddings: int | None
+    """The config's (its text_config's, as the geometry); None for a YAML."""
+
+
+def read_geometry(
+    path: str | Path,
+    *,
+    kv_dtype: str | None = None,
+    default_kv_dtype: str = "bfloat16",
+    state_dtype: str | None = None,
+) -> GeometryFile:
+    """From a model folder (its config.json), a config.json, or a YAML geometry. The KV
+    dtype: `kv_dtype`, else a YAML's `dtype:`, else `default_kv_dtype`; state layers of
+    a config.json in `state_dtype`, else the KV dtype.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a file that is not valid YAML / JSON or does not describe a model
+            (the message names the file or the key).
+    """
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -235,14 +314,32 @@ def load_geometry(
             raise ValueError(f"{p}: not valid YAML{at}: fix the file") from None
         if not isinstance(data, dict):
             raise ValueError(f"{p}: holds a {type(data).__name__}, not a geometry mapping")
-        return geometry_from_yaml(data, kv_dtype=kv_dtype)
+        from_file = kv_dtype is None and data.get("dtype") is not None
+        dtype = kv_dtype or (data["dtype"] if from_file else default_kv_dtype)
+        try:
+            geometry = geometry_from_yaml(data, kv_dtype=dtype)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+        return GeometryFile(geometry, dtype, from_file, None)
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: holds a {type(cfg).__name__}, not a model config object")
-    return geometry_from_hf_config(cfg, kv_dtype=kv_dtype, state_dtype=state_dtype)
+    dtype = kv_dtype or default_kv_dtype
+    geometry = geometry_from_hf_config(cfg, kv_dtype=dtype, state_dtype=state_dtype)
+    positions = text_config(cfg).get("max_position_embeddings")
+    known = isinstance(positions, int) and not isinstance(positions, bool) and positions > 0
+    return GeometryFile(geometry, dtype, False, positions if known else None)
+
+
+def load_geometry(
+    path: str | Path, *, kv_dtype: str | None = None, state_dtype: str | None = None
+) -> ModelGeometry:
+    """The geometry of `read_geometry` (a YAML's own `dtype:` unless `kv_dtype` is
+    given; bfloat16 otherwise)."""
+    return read_geometry(path, kv_dtype=kv_dtype, state_dtype=state_dtype).geometry
 
 
 # -- groups and the report ---------------------------------------------------------------
@@ -395,6 +492,19 @@ def geometry_blocks(
     return [g.spec.max_blocks(num_tokens, block_size, max_chunk) for g in groups]
 
 
+class PoolTooSmall(ValueError):
+    """`simulate_request`: the simulated request needs more blocks than the pool's
+    usable ones (`need`, `usable`)."""
+
+    def __init__(self, num_tokens: int, need: int, usable: int) -> None:
+        super().__init__(
+            f"one request of {num_tokens:,} tokens needs {need:,} blocks but the pool has "
+            f"{usable:,} usable blocks: give the pool more blocks or simulate a shorter request"
+        )
+        self.need = need
+        self.usable = usable
+
+
 @dataclass
 class SimulationReport:
     prompt_tokens: int
@@ -423,7 +533,7 @@ def simulate_request(
     """Run one request of `prompt_tokens` + `decode_tokens` through the real
     scheduler and KV manager (fake executor, simulated KV checked every step);
     record the most blocks it held per group against the formula's bound for
-    its full length."""
+    its full length. Raises PoolTooSmall when the pool cannot hold the request."""
     import random
 
     from spur.actors.engine.core.fake_executor import FakeExecutor
@@ -432,11 +542,15 @@ def simulate_request(
 
     kv_config = KVCacheConfig(block_size=block_size, num_blocks=num_blocks, groups=groups)
     total = prompt_tokens + decode_tokens
+    max_model_len = total + 1
+    need = sum(geometry_blocks(groups, max_model_len, block_size, chunk))
+    if need > num_blocks - 1:  # the scheduler's own refusal would name max_model_len
+        raise PoolTooSmall(prompt_tokens + max(1, decode_tokens), need, num_blocks - 1)
     sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=chunk,
             max_num_seqs=1,
-            max_model_len=total + 1,
+            max_model_len=max_model_len,
             long_prefill_token_threshold=0,
             policy="fcfs",
             check_kv_bounds=True,

@@ -62,6 +62,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    instead: str | None = None,
 ) -> str:
     """The prompt text of `messages` by the tokenizer's chat template.
 
@@ -70,12 +71,17 @@ def render_chat(
     so that the model continues it; exclusive with `add_generation_prompt`.
     `template_kwargs`: extra variables for the template (vLLM's chat_template_kwargs,
     e.g. {"enable_thinking": False}); they cannot replace the arguments above.
+    `instead`: what the caller's user can do without a template or tokenizer, in the
+    error's words (None: the HTTP API's, /v1/completions; the offline LLM and
+    `spur generate --chat` name theirs).
 
     Raises:
         ChatTemplateError: see the class.
     """
     if tokenizer is None:
-        raise ChatTemplateError("the model has no tokenizer: send token ids to /v1/completions")
+        raise ChatTemplateError(
+            f"the model has no tokenizer: {instead or 'send token ids to /v1/completions'}"
+        )
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError(
             "continue_final_message cannot be combined with add_generation_prompt=true: "
@@ -83,8 +89,12 @@ def render_chat(
         )
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
-            "the model has no chat template: use /v1/completions with a prompt you format "
-            "yourself, or serve a model whose tokenizer has a chat template"
+            "the model has no chat template: "
+            + (
+                instead
+                or "use /v1/completions with a prompt you format yourself, or serve a model "
+                "whose tokenizer has a chat template"
+            )
         )
     try:
         text = tokenizer.apply_chat_template(
@@ -121,9 +131,11 @@ def chat_token_ids(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    instead: str | None = None,
 ) -> list[int]:
-    """Token ids of `messages` (see `render_chat`); `add_special_tokens` adds the
-    tokenizer's own (BOS, ...) on top of what the template writes (default: no).
+    """Token ids of `messages` (see `render_chat`, which `instead` goes to);
+    `add_special_tokens` adds the tokenizer's own (BOS, ...) on top of what the template
+    writes (default: no).
 
     Raises:
         ChatTemplateError: see the class.
@@ -134,5 +146,6 @@ def chat_token_ids(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,
+        instead=instead,
     )
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
