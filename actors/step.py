@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -137,8 +138,10 @@ class SamplingParams:
         # below with a TypeError naming no parameter.
         for name in _FLOAT_PARAMS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise bad(name, value, "a number")
+            if not isinstance(value, (int, float)):  # numpy's float32, Fraction: plain
+                object.__setattr__(self, name, float(value))
         if self.max_tokens is None:
             # vLLM's None: up to the room max_model_len leaves. Not here: max_tokens is an
             # int through the engine core; a request stops at max_model_len anyway.

@@ -43,7 +43,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from spur.actors.engine.shell.metrics import HISTOGRAMS
+from spur.actors.engine.shell.metrics import FINISH_REASONS, HISTOGRAMS, STEP_HISTOGRAMS
 from spur.cluster.errors import ERROR_CODE_HEADER
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -405,10 +405,13 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
         labels = [model, rid, lane, serves]
         snap = entry["snapshot"]
         # A spare's requests count on the lane they came for (the engine keeps them
-        # apart: "lanes"); only the lanes it serves become labels, so that the label
-        # set stays bounded by the config (anything else counts on its own lane).
+        # apart: "lanes", lanes the ingress named from its config, at most
+        # MAX_TAGGED_LANES). Every lane it reports is a label, whatever this
+        # ingress's config says (two ingress replicas of different configs render the
+        # same series); the lanes a spare serves exist at 0 before its first request
+        # (rate() misses a series whose first sample is already > 0).
         served = set(spare_cfg.get("serves_lanes", ())) if lane == spare_cfg.get("name") else set()
-        own, others = _request_parts(snap, {other for other in served if other != lane})
+        own, others = _request_parts(snap, lane, served - {lane})
         # Counters and histograms of a replica that left or failed stay (their totals
         # happened); its gauges (running, waiting, KV usage, blocks held) do not: the
         # last report of a dead replica is not what it runs now.
@@ -422,7 +425,7 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
                 gauges[name].add_metric(labels, value)
         for part_labels, part in [
             (labels, own),
-            *(([models[o][0], rid, o, serves], p) for o, p in sorted(others.items())),
+            *(([models.get(o, (o,))[0], rid, o, serves], p) for o, p in sorted(others.items())),
         ]:
             for name, value in part.get("counters", {}).items():
                 if name in counters:
@@ -470,39 +473,33 @@ def _engine_families(view: dict[str, Any], config: dict[str, Any]) -> Iterator[M
 
 
 def _request_parts(
-    snap: dict[str, Any], lanes: set[str]
+    snap: dict[str, Any], lane: str, seeded: set[str]
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """An engine snapshot split by the lane its requests came for: (its own lane's
-    part: the snapshot's counters, request_success and histograms, {lane: part} for
-    each of `lanes` it served). A part of another lane (not a label this engine may
-    carry) is added into its own part: its totals stay, under the engine's lane."""
+    """An engine snapshot split by the lane its requests came for: (the part of its
+    own lane `lane`: the snapshot's counters, request_success and histograms, {other
+    lane: its part} for every other lane it reported), with a part of zeros for each
+    lane of `seeded` it has not reported yet."""
     own = {
         "counters": dict(snap.get("counters", {})),
         "request_success": dict(snap.get("request_success", {})),
         "histograms": dict(snap.get("histograms", {})),
     }
-    others: dict[str, dict[str, Any]] = {}
-    for lane, part in snap.get("lanes", {}).items():
-        if lane in lanes:
-            others[lane] = part
-            continue
-        for key in ("counters", "request_success"):
-            for name, n in part.get(key, {}).items():
-                own[key][name] = own[key].get(name, 0) + n
-        hists = own["histograms"]
-        for name, h in part.get("histograms", {}).items():
-            mine = hists.get(name)
-            if mine is None:
-                hists[name] = h
-            elif mine["buckets"] == h["buckets"]:  # an engine's histograms share buckets
-                hists[name] = {
-                    "buckets": mine["buckets"],
-                    "cumulative": [
-                        a + b for a, b in zip(mine["cumulative"], h["cumulative"], strict=True)
-                    ],
-                    "sum": mine["sum"] + h["sum"],
-                    "count": mine.get("count", 0) + h.get("count", 0),
+    others = {name: part for name, part in snap.get("lanes", {}).items() if name != lane}
+    for name in seeded - set(others):
+        others[name] = {
+            "counters": {"vllm:prompt_tokens": 0, "vllm:generation_tokens": 0},
+            "request_success": dict.fromkeys(FINISH_REASONS, 0),
+            "histograms": {
+                hist: {
+                    "buckets": h["buckets"],
+                    "cumulative": [0] * len(h["cumulative"]),
+                    "sum": 0.0,
+                    "count": 0,
                 }
+                for hist, h in own["histograms"].items()
+                if hist not in STEP_HISTOGRAMS
+            },
+        }
     return own, others
 
 

@@ -159,11 +159,13 @@ older spur is not reused."""
 
 
 def _gguf_digest(gguf: Path, models_dir: Path) -> str:
-    """sha256 of the GGUF's bytes. Remembered per (path, size, mtime) in
-    `models_dir/.digests/`, so a file is read once, not at every start (about 0.1 s per
-    100 MB); an unwritable cache only costs the re-read."""
+    """sha256 of the GGUF's bytes. Remembered per (path, device, inode, size, mtime,
+    ctime) in `models_dir/.digests/`, so a file is read once, not at every start (about
+    0.1 s per 100 MB); an unwritable cache only costs the re-read. The ctime changes
+    whenever the file is written or replaced, even by a copy that keeps the mtime."""
     st = gguf.stat()
-    stat_key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    ident = f"{gguf}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    stat_key = hashlib.sha256(ident.encode()).hexdigest()
     memo = models_dir / ".digests" / stat_key[:32]
     with contextlib.suppress(OSError):
         digest = memo.read_text().strip()

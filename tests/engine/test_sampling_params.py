@@ -49,3 +49,15 @@ def test_max_tokens_none_is_refused_naming_the_fix():
     with pytest.raises(SamplingParamsError, match="give max_tokens=max_model_len") as info:
         SamplingParams(max_tokens=None)  # type: ignore[arg-type]
     assert info.value.param == "max_tokens"
+
+
+def test_numbers_of_other_real_types_are_taken_as_floats():
+    """A sweep built with numpy (float32 scalars) or fractions worked before the type
+    checks; it still does, and the fields hold plain floats."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), top_p=Fraction(1, 2))  # type: ignore[arg-type]
+    assert params.temperature == 0.5 and type(params.temperature) is float
+    assert params.top_p == 0.5 and type(params.top_p) is float

@@ -66,7 +66,6 @@ def serve_on_spare(lanes: list[str | None]) -> dict[str, Any]:
         work = prompts(len(lanes), 10)
         await asyncio.gather(*(one(i, lane, work[i]) for i, lane in enumerate(lanes)))
         assert engine.metrics is not None
-        assert not getattr(engine.metrics, "_tags", {})  # every tag taken or dropped
         snapshot = engine.metrics.snapshot()
         await engine.shutdown()
         return snapshot
@@ -87,12 +86,14 @@ def test_a_spares_requests_carry_the_lane_they_came_for() -> None:
             out[key] = out.get(key, 0.0) + v
         return out
 
-    # Two chat requests, one reasoning request; three of the spare's own (no lane, its
-    # own name, and a lane it does not serve: not a label).
+    # Two chat requests, one reasoning request; two of the spare's own (no lane, its
+    # own name); one of a lane this config does not know (an ingress of another
+    # config sent it): its own label, the lane's name as its model's.
     assert by_lane("vllm:request_success_total") == {
         ("chat", "smol", "chat,reasoning"): 2.0,
         ("reasoning", "think", "chat,reasoning"): 1.0,
-        ("spare", "smol", "chat,reasoning"): 3.0,
+        ("spare", "smol", "chat,reasoning"): 2.0,
+        ("elsewhere", "elsewhere", "chat,reasoning"): 1.0,
     }
     counts = by_lane("vllm:time_to_first_token_seconds_count")
     assert counts[("chat", "smol", "chat,reasoning")] == 2.0
@@ -107,24 +108,35 @@ def test_a_spares_requests_carry_the_lane_they_came_for() -> None:
     assert {lab["lane"] for lab, _ in got["vllm:num_preemptions_total"]} == {"spare"}
 
 
-def test_only_the_lanes_a_spare_serves_become_labels() -> None:
-    """A primary (or a spare) reporting requests of a lane it does not serve: they
-    count on its own lane, buckets added, never a new label."""
+def test_reported_lanes_are_labels_whatever_the_config_and_served_ones_start_at_0() -> None:
+    """Every lane an engine reports is a label of its own, whichever ingress renders
+    it (a counter must not move between series, and so go down, with the rendering
+    replica's config); the lanes a spare serves exist at 0 before its first request
+    of them (Prometheus's rate() misses a series that first appears above 0)."""
     m = EngineMetrics(max_model_len=64)
-    m.tag("a", "reasoning")
-    m.tag("b", "chat")
-    for rid in ("a", "b", "c"):
-        m.on_add(rid, 10)
-    for rid in ("a", "b", "c"):
+    for rid, lane in (("a", "reasoning"), ("b", None)):
+        m.on_add(rid, 10, lane=lane)
         m.finish(rid, "stop")
     snap = m.snapshot()
-    assert set(snap["lanes"]) == {"reasoning", "chat"}
+    assert set(snap["lanes"]) == {"reasoning"}
     store = MetricsStore()
-    store.update_engine("chat-1", "chat", snap)
+    store.update_engine("chat-1", "chat", snap)  # a primary's report, as an example
     got = samples(render({"store": store.view()}, CONFIG).decode())
-    success = [(lab["lane"], v) for lab, v in got["vllm:request_success_total"] if v]
-    assert success == [("chat", 3.0)]
-    count = [(lab["lane"], v) for lab, v in got["vllm:e2e_request_latency_seconds_count"]]
-    assert count == [("chat", 3.0)]
-    inf = [v for lab, v in got["vllm:e2e_request_latency_seconds_bucket"] if lab["le"] == "+Inf"]
-    assert inf == [3.0]
+    success = sorted((lab["lane"], v) for lab, v in got["vllm:request_success_total"] if v)
+    assert success == [("chat", 1.0), ("reasoning", 1.0)]
+
+    store = MetricsStore()
+    store.update_engine("spare-1", "spare", EngineMetrics(max_model_len=64).snapshot())
+    got = samples(render({"store": store.view()}, CONFIG).decode())
+    lanes = {lab["lane"] for lab, _ in got["vllm:request_success_total"]}
+    assert lanes == {"spare", "chat", "reasoning"}
+    for name in ("vllm:request_success_total", "vllm:e2e_request_latency_seconds_count"):
+        assert all(v == 0 for _, v in got[name]), name
+    chat_reasons = {
+        lab["finished_reason"]
+        for lab, _ in got["vllm:request_success_total"]
+        if lab["lane"] == "chat"
+    }
+    assert chat_reasons == {"stop", "length", "abort"}
+    steps = {lab["lane"] for lab, _ in got["vllm:iteration_tokens_total_count"]}
+    assert steps == {"spare"}  # per-step series: the engine's own lane only

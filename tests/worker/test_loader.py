@@ -285,6 +285,13 @@ def test_the_same_gguf_installed_again_reuses_its_conversion(tmp_path, monkeypat
     other.write_bytes(b"GGUF WEIGHTS")  # the same size, other bytes
     assert resolve_model_dir(other) != target
     assert len(calls) == 2
+    # Rewritten in place with the same size and its mtime kept (cp -p, tar x): its
+    # remembered digest is not reused.
+    st = first.stat()
+    first.write_bytes(b"GGUF weightz")
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert resolve_model_dir(first) not in (target, resolve_model_dir(other))
+    assert len(calls) == 3
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):

@@ -321,13 +321,11 @@ class EngineReplica:
                 "replica_id": self.replica_id,
             }
             return
-        tagged: str | None = None  # the request counts on another lane's metrics
         try:
             params = SamplingParams(**payload.get("sampling_params", {}))
             lane = payload.get("lane")
-            if engine.metrics is not None and isinstance(lane, str) and lane not in ("", self.lane):
-                tagged = payload["request_id"]
-                engine.metrics.tag(tagged, lane)
+            if not isinstance(lane, str) or lane in ("", self.lane):
+                lane = None  # this replica's own lane
             stream = engine.generate(
                 payload["request_id"],
                 list(payload["prompt_token_ids"]),
@@ -337,6 +335,7 @@ class EngineReplica:
                 cache_salt=payload.get("cache_salt"),
                 resumed=int(payload.get("resumed", 0)),
                 resumed_chars=payload.get("resumed_chars"),
+                lane=lane,
             )
             first = True
             async for item in stream:
@@ -370,9 +369,6 @@ class EngineReplica:
                 "param": None,
                 "replica_id": self.replica_id,
             }
-        finally:
-            if tagged is not None and engine.metrics is not None:
-                engine.metrics.untag(tagged)  # taken when the engine added it; else now
 
     async def stats(self) -> dict[str, Any]:
         engine = self._engine()

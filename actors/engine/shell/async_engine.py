@@ -52,6 +52,7 @@ class _Add:
     resumed: int = 0
     arrival: float | None = None  # metrics clock, when the request reached the engine
     resumed_chars: int | None = None
+    lane: str | None = None  # the lane its metrics count on (None: the engine's own)
 
 
 @dataclass
@@ -188,6 +189,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         resumed: int = 0,
         resumed_chars: int | None = None,
+        lane: str | None = None,
     ) -> AsyncIterator[Delta | RequestOutput]:
         """Stream a request's deltas, then its final RequestOutput. Raises
         RequestRejected before anything runs, EngineDeadError if the engine
@@ -197,7 +199,9 @@ class AsyncEngine:
         `resumed`: the last `resumed` prompt ids are output that another replica
         generated and streamed (a failover continuation, n == 1), of whose text the
         client received `resumed_chars` characters: the text continues from there (see
-        `OutputProcessor.add_request`)."""
+        `OutputProcessor.add_request`). `lane`: the lane the request came for, when
+        another than the engine's own (a spare's): its statistics count there
+        (`EngineMetrics.on_add`)."""
         if self.error is not None or self.stuck:
             # Stuck: it would queue behind a step that may never end (the replica is
             # about to be restarted): refused now, with the reason.
@@ -224,6 +228,7 @@ class AsyncEngine:
                 resumed,
                 arrival,
                 resumed_chars,
+                lane,
             )
         )
         if self.error is not None:  # the thread ended meanwhile; it may not have seen this
@@ -449,7 +454,11 @@ class AsyncEngine:
             return
         if self.metrics is not None:
             self.metrics.on_add(
-                cmd.request_id, len(cmd.prompt_token_ids), n=cmd.params.n, arrival=cmd.arrival
+                cmd.request_id,
+                len(cmd.prompt_token_ids),
+                n=cmd.params.n,
+                arrival=cmd.arrival,
+                lane=cmd.lane,
             )
 
     def _run(self) -> None:

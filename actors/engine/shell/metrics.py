@@ -2,7 +2,7 @@
 
 The engine thread feeds one `EngineMetrics` per engine:
 
-    on_add(req_id, num_prompt_tokens, n, arrival)   a request entered the engine
+    on_add(req_id, num_prompt_tokens, n, arrival, lane)   a request entered the engine
     on_step(outputs, stats, scheduler, started)    after every EngineCore.step()
     on_abort(req_id)                               a request left without finishing
 
@@ -17,8 +17,8 @@ with its labels. Counters and buckets only ever grow for the life of the
 engine, so a snapshot that is lost or sent twice changes nothing.
 
 Per-request statistics (tokens, finish reasons, latency and size histograms) count
-on the lane the request came for: a spare serves several lanes, and a request the
-replica's front `tag`s with another lane than its own counts in that lane's
+on the lane the request came for: a spare serves several lanes, and a request added
+with another lane than the engine's own (`on_add(lane=...)`) counts in that lane's
 `LaneCounts` (snapshot key "lanes"), so that its series carry that lane's label.
 Per-step statistics (preemptions, prefix cache, iteration tokens, gauges, capacity)
 belong to the engine and stay on its own lane.
@@ -100,7 +100,7 @@ STEP_HISTOGRAMS = frozenset({"vllm:iteration_tokens_total"})
 """Histograms observed per engine step (the engine's own lane); the rest per request."""
 MAX_TAGGED_LANES = 64
 """Other lanes one engine counts requests for (a spare's served lanes, at most): a
-request tagged with a lane past this many counts on the engine's own lane."""
+request for a lane past this many counts on the engine's own lane."""
 
 
 @dataclass
@@ -234,12 +234,9 @@ class EngineMetrics:
         self.info = dict(info or {})
         self._token_buckets = build_1_2_5_buckets(max_model_len)
         self.own = LaneCounts(self._new_histograms(step=True))
-        """The engine's own lane: its requests (untagged ones) and its steps."""
+        """The engine's own lane: its own requests and its steps."""
         self.lanes: dict[str, LaneCounts] = {}
         """Other lanes whose requests this engine served (a spare's), by name."""
-        # request id -> the lane it came for, set by the replica's front before the
-        # request reaches the engine thread (`tag`), taken by `on_add`
-        self._tags: dict[str, str] = {}
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -294,17 +291,6 @@ class EngineMetrics:
             if step or name not in STEP_HISTOGRAMS
         }
 
-    # -- the replica's front (event loop) ------------------------------------------------
-    def tag(self, req_id: str, lane: str) -> None:
-        """Request `req_id`, not yet added, came for `lane`, another lane than the
-        engine's own (a spare serving one of its lanes): its statistics count there.
-        Call `untag` when its stream ends (a request the engine never added leaves no
-        tag behind)."""
-        self._tags[req_id] = lane
-
-    def untag(self, req_id: str) -> None:
-        self._tags.pop(req_id, None)
-
     # -- engine thread ----------------------------------------------------------------
     def _counts(self, lane: str | None) -> LaneCounts:
         if lane is None:
@@ -317,13 +303,19 @@ class EngineMetrics:
         return counts
 
     def on_add(
-        self, req_id: str, num_prompt_tokens: int, n: int = 1, arrival: float | None = None
+        self,
+        req_id: str,
+        num_prompt_tokens: int,
+        n: int = 1,
+        arrival: float | None = None,
+        lane: str | None = None,
     ) -> None:
         """A request entered the engine, with `n` completions (forks `Request.fork_id`),
-        having arrived at `arrival` (this clock; default now); it counts on the lane
-        it was `tag`ged with (the engine's own lane when it was not)."""
+        having arrived at `arrival` (this clock; default now), for `lane` (another lane
+        than the engine's own, whose requests a spare serves: its statistics count
+        there; None: the engine's own)."""
         arrival = self.clock() if arrival is None else arrival
-        counts = self._counts(self._tags.pop(req_id, None))
+        counts = self._counts(lane)
         self._requests[req_id] = _Timing(arrival, num_prompt_tokens, counts, req_id)
         for index in range(1, n):
             self._requests[fork_id(req_id, index)] = _Timing(
