@@ -462,3 +462,26 @@ def test_a_fork_preempted_in_its_step_leaves_no_block_copy_behind():
     held = {b for rid in out.num_scheduled_tokens for b in sched.kv.block_ids(rid)[0]}
     assert set(dsts) <= held  # every copy lands in a block a scheduled request holds
     sched.check_integrity()
+
+
+def test_an_id_is_not_reused_while_completions_of_it_run():
+    """An n = 2 request ended by completion 0's stop string while its fork 'a#1' still
+    ran: a new 'a' was accepted and its own fork took over the live 'a#1' (the
+    worker's KV no longer matched the scheduler's). The id is refused until all end."""
+    core, sched, _ = make_engine(block_size=4, num_blocks=64, budget=32)
+    core.add_request(
+        sched.make_request("a", list(range(1, 11)), SamplingParams(max_tokens=20, n=2))
+    )
+    core.step()
+    core.step()
+    sched.finish_requests("a", RequestStatus.FINISHED_STOPPED)
+    assert "a#1" in sched.requests
+    with pytest.raises(RequestRejected, match="'a' is already in use"):
+        core.add_request(sched.make_request("a", list(range(50, 60)), SamplingParams(n=2)))
+    while core.has_unfinished_requests():
+        core.step()
+        sched.check_integrity()
+    core.add_request(sched.make_request("a", list(range(50, 60)), SamplingParams(max_tokens=2)))
+    while core.has_unfinished_requests():
+        core.step()
+    assert_all_free(sched)

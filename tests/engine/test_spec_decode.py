@@ -351,3 +351,42 @@ def test_drafts_leave_one_token_of_the_budget_for_every_later_running_request():
     assert worst == 0, idle
     assert sched.spec_stats.num_accepted_tokens > 0  # drafting went on
     assert_all_free(sched)
+
+
+def test_one_requests_drafts_never_preempt_another_request():
+    """A's drafts took the pool's last free block (its own allocation succeeded), so B's
+    real decode token no longer fitted and B was preempted, a full recompute for drafts
+    that are optional work. Real tokens are now all placed before any draft."""
+    results = []
+    for spec in (False, True):
+        kv = KVCacheConfig(block_size=4, num_blocks=6, groups=(FULL,))  # 5 usable blocks
+        spec_cfg = SpeculativeConfig(
+            3, prompt_lookup_min=1, prompt_lookup_max=2, disable_by_batch_size=None
+        )
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=32,
+                max_num_seqs=4,
+                max_model_len=20,
+                long_prefill_token_threshold=0,
+                policy="fcfs",
+                check_kv_bounds=True,
+                speculative=spec_cfg if spec else None,
+            ),
+            kv,
+        )
+        core = EngineCore(sched, FakeExecutor(kv, vocab_size=100, model=lambda t: 5))
+        # Without drafts B (8 + 2 tokens) takes the last free block at its first decode
+        # and ends before A (5 + 5 tokens) needs a third block: nobody is preempted.
+        a_params = SamplingParams(max_tokens=5, ignore_eos=True)
+        b_params = SamplingParams(max_tokens=2, ignore_eos=True)
+        core.add_request(sched.make_request("A", [5] * 5, a_params))  # drafts 5 5 5
+        core.add_request(sched.make_request("B", list(range(10, 18)), b_params))
+        out: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for o in core.step()[0]:
+                out.setdefault(o.req_id, []).extend(o.new_token_ids)
+            sched.check_integrity()
+        assert_all_free(sched)
+        results.append((out, sched.total_preemptions))
+    assert results[1] == results[0] and results[1][1] == 0

@@ -8,9 +8,10 @@ first (in admission order), then waiting ones. Chunked prefill is the budget
 running out mid-prompt; a prefix hit starts `num_computed_tokens` above zero;
 preemption (by recompute) resets it to zero.
 
-Draft tokens (speculative decoding) are optional work: a request's drafts take only
-the budget that leaves one token for every running request after it, and a request
-whose drafts do not fit the pool runs without them rather than preempt anyone.
+Draft tokens (speculative decoding) are optional work: every running request gets
+its real tokens first; then drafts, in admission order, from the budget and the free
+blocks left (`_schedule_drafts`). A request whose drafts do not fit runs without them,
+and no request is ever preempted for another's drafts.
 
 When `allocate_slots` fails, a victim is preempted: under FCFS the most recently
 admitted running request, under "priority" the one with the largest (priority,
@@ -226,7 +227,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises RequestRejected if it can never run."""
         self.validate_prompt(request.num_prompt_tokens)
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._children:
+            # (the second: an n > 1 request ended while completions of it still run)
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if "#" in request.request_id:
             # A parent "a" of n > 1 names its completions "a#1", ...: an id of that form
@@ -289,6 +291,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[list[int]]] = {}
         spec_tokens: dict[str, list[int]] = {}
+        want_drafts: dict[str, int] = {}  # running request -> drafts it would verify
         preempted = False
         self._step_preemptions = 0
 
@@ -304,15 +307,11 @@ class Scheduler:
                 continue
             real = req.num_tokens - req.num_computed_tokens
             if num_new > real > 0:
-                # Drafts take only the budget that leaves one token for every running
-                # request after this one (else a few drafting requests starve the rest).
-                later = len(self.running) - i - 1
-                num_new = real + max(0, min(num_new - real, budget - real - later))
-            blocks = kv.allocate_slots(req, num_new, lookahead)
-            if blocks is None and num_new > real > 0:
-                # No room for the drafts: run without them rather than preempt anyone.
+                # Drafts are optional work: every running request's real tokens first
+                # (this pass), the drafts from what is left (below), never preempting.
+                want_drafts[req.request_id] = num_new - real
                 num_new = real
-                blocks = kv.allocate_slots(req, num_new, lookahead)
+            blocks = kv.allocate_slots(req, num_new, lookahead)
             while blocks is None:
                 victim = self._pick_victim()
                 preempted = True
@@ -331,12 +330,9 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is the next one
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = blocks
-            if req.spec_token_ids:
-                n_spec = num_new + req.num_computed_tokens - req.num_tokens
-                if n_spec > 0:
-                    spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
             budget -= num_new
             i += 1
+        budget = self._schedule_drafts(want_drafts, scheduled, new_blocks, spec_tokens, budget)
 
         if not preempted:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -365,6 +361,39 @@ class Scheduler:
             for rid in scheduled:
                 kv.check_bounds(self.requests[rid])
         return out
+
+    def _schedule_drafts(
+        self,
+        want: dict[str, int],
+        scheduled: dict[str, int],
+        new_blocks: dict[str, list[list[int]]],
+        spec_tokens: dict[str, list[int]],
+        budget: int,
+    ) -> int:
+        """Give the running requests scheduled with their real tokens the drafts they
+        want (`want`: request id -> drafts), in admission order, from the budget and
+        the free blocks left once every running request has its real tokens: a request
+        whose drafts do not fit runs without them, and no one is preempted for a draft.
+        Extends `scheduled`, `new_blocks` and `spec_tokens`; returns the budget left."""
+        lookahead = self.config.num_lookahead_tokens
+        for rid, n_drafts in want.items():
+            if budget <= 0:
+                break
+            real = scheduled.get(rid)
+            if real is None:  # preempted by a later request of higher priority
+                continue
+            req = self.requests[rid]
+            n = min(n_drafts, budget)
+            more = self.kv.allocate_slots(req, real + n, lookahead)
+            if more is None:
+                continue
+            new_blocks[rid] = [
+                old + extra for old, extra in zip(new_blocks[rid], more, strict=True)
+            ]
+            scheduled[rid] = real + n
+            spec_tokens[rid] = req.spec_token_ids[:n]
+            budget -= n
+        return budget
 
     def _num_new_tokens(self, req: Request, budget: int, base: int | None = None) -> int:
         """How many tokens `req` gets this step: what it lacks (up to its draft
