@@ -189,6 +189,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                 and len([r for r in e.lanes()["spare"]["replicas"] if r["healthy"]]) == 1
             ),
         )
+        # An ingress that answered before the primaries heartbeat sent chat to its spare
+        # ("down"); it returns after healthy_after_s. The tests start from the primaries.
+        e.all_ingresses(
+            "every ingress to send chat to its primaries",
+            lambda lanes: lanes["chat"]["target"] == "chat",
+        )
         yield e
     finally:
         try:

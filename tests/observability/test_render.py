@@ -80,12 +80,19 @@ def test_store_sums_ingress_counters_and_keeps_gone_ones() -> None:
     got = samples(text)
     full = {lab["route"]: v for lab, v in got["spur:http_queue_full_total"]}
     assert full == {"/v1/completions": 2.0, "/v1/chat/completions": 0.0}
-    (labels, value), *_ = got["vllm:prompt_tokens_total"]
+    # The spare's own series; the lane it serves (chat) has its own, at 0 until a
+    # request of chat runs on it.
+    prompt = {lab["lane"]: (lab, v) for lab, v in got["vllm:prompt_tokens_total"]}
+    assert set(prompt) == {"spare", "chat"} and prompt["chat"][1] == 0.0
+    labels, value = prompt["spare"]
     assert labels == {"model_name": "smol", "engine": "r2", "lane": "spare", "serves": "chat"}
     assert value == 5.0
-    buckets = {lab["le"]: v for lab, v in got["vllm:time_to_first_token_seconds_bucket"]}
+    ttft = got["vllm:time_to_first_token_seconds_bucket"]
+    buckets = {lab["le"]: v for lab, v in ttft if lab["lane"] == "spare"}
     assert buckets["0.04"] == 1.0 and buckets["5.0"] == 1.0 and buckets["+Inf"] == 2.0
-    assert got["vllm:time_to_first_token_seconds_count"][0][1] == 2.0
+    assert all(v == 0.0 for lab, v in ttft if lab["lane"] == "chat")
+    counts = {lab["lane"]: v for lab, v in got["vllm:time_to_first_token_seconds_count"]}
+    assert counts == {"spare": 2.0, "chat": 0.0}
     # Zero-valued series exist before anything happens (panels and alerts have data).
     assert ({"lane": "chat"}, 0.0) in got["spur:retries_total"]
     assert got["spur:lane_on_spare"] == [({"lane": "chat", "spare": "spare"}, 0.0)]
