@@ -22,6 +22,8 @@ import pytest
 from spur.cluster import dashboards as D
 from spur.cluster.grafana import PushError, push
 
+from .test_rules import fired as _fired
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "glsa_test"
 
@@ -316,18 +318,6 @@ def _panel_expr(title: str) -> str:
         .replace("$model", ".*")
         .replace("$__rate_interval", "5m")
     )
-
-
-def _fired(name: str, **labels: str) -> dict[str, Any]:
-    """promtool's expectation of alert `name` firing with `labels` (its summary filled)."""
-    alert = next(a for a in D.ALERTS if a.name == name)
-    summary = alert.summary
-    for key, value in labels.items():
-        summary = summary.replace(f"{{{{ $labels.{key} }}}}", value)
-    return {
-        "exp_labels": {"severity": alert.severity, **labels},
-        "exp_annotations": {"summary": summary},
-    }
 
 
 def test_the_alerts_fire_and_resolve_on_synthetic_series(tmp_path: Path) -> None:

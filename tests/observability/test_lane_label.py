@@ -11,13 +11,14 @@ import asyncio
 from typing import Any
 
 from engine.helpers import make_engine, prompts
-from prometheus_client.parser import text_string_to_metric_families
 
 from spur.actors.engine.shell.actor import EngineReplica
 from spur.actors.engine.shell.async_engine import AsyncEngine
 from spur.actors.engine.shell.metrics import EngineMetrics
 from spur.cluster.metrics import MetricsStore, render
 from spur.configs.loader import config_to_dict, parse_config
+
+from .test_render import samples
 
 CONFIG = config_to_dict(
     parse_config(
@@ -31,14 +32,6 @@ CONFIG = config_to_dict(
         }
     )
 )
-
-
-def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
 
 
 def serve_on_spare(lanes: list[str | None]) -> dict[str, Any]:
