@@ -366,6 +366,73 @@ def test_check_integrity_sees_a_freed_live_block_a_wrong_hit_and_stale_bookkeepi
         sched.check_integrity()
 
 
+def test_check_integrity_sees_missing_copy_on_write_and_lost_live_blocks():
+    """Broken states an earlier `check_integrity` let pass (ref counts all agreed):
+    a fork writing its parent's partly filled block, one block at two positions of a
+    table (caching off, so no hash gives it away), a pending copy into a freed block,
+    bookkeeping of a request without a table, a hybrid request whose current state
+    block is gone, and a null block inside a sliding window."""
+
+    def forked(groups=(FULL,)) -> Scheduler:
+        core, sched, _fake = make_engine(block_size=4, num_blocks=32, groups=groups)
+        add(sched, "p", list(range(1, 11)), max_tokens=5, n=2)
+        core.step()
+        core.step()  # prefill, then the fork copies the partly filled block 2
+        sched.check_integrity()
+        return sched
+
+    def swap(sched: Scheduler, table: list, i: int, block) -> None:
+        """Put `block` at table[i] with consistent ref counts."""
+        pool = sched.kv.pool
+        if block is not pool.null_block:
+            pool.touch([block])
+        if table[i] is not pool.null_block:
+            pool.free_blocks([table[i]])
+        table[i] = block
+
+    sched = forked()
+    m = sched.kv.managers[0]
+    swap(sched, m.tables["p#1"], 2, m.tables["p"][2])
+    with pytest.raises(AssertionError, match=r"p writes block .* shared .* copy-on-write"):
+        sched.check_integrity()
+
+    core, sched, _fake = make_engine(block_size=4, num_blocks=32, caching=False)
+    add(sched, "a", list(range(1, 11)), max_tokens=5)
+    core.step()
+    table = sched.kv.managers[0].tables["a"]
+    swap(sched, table, 1, table[0])
+    with pytest.raises(AssertionError, match=r"a: block .* twice in group 0's table"):
+        sched.check_integrity()
+
+    sched = forked()
+    free_id = next(b.block_id for b in sched.kv.pool.blocks[1:] if b.ref_cnt == 0)
+    sched.kv._copies.append((1, free_id))
+    with pytest.raises(AssertionError, match=f"pending copy 1 -> {free_id} writes into"):
+        sched.check_integrity()
+
+    sched = forked()
+    sched.kv.managers[0].retired["ghost"] = 0
+    with pytest.raises(AssertionError, match=r"retired names \['ghost'\]"):
+        sched.check_integrity()
+
+    sched = forked(groups=(FULL, STATE))
+    state = sched.kv.managers[1]
+    table = state.tables["p"]
+    current = max(i for i, b in enumerate(table) if b is not state.null)
+    swap(sched, table, current, state.null)
+    with pytest.raises(AssertionError, match=r"p: group 1 \(state\) holds no block at"):
+        sched.check_integrity()
+
+    core, sched, _fake = make_engine(block_size=4, groups=(FULL, SLIDING))
+    add(sched, "w", list(range(1, 21)), max_tokens=5)
+    core.step()  # 20 tokens computed: the window (10) needs positions 2 to 4
+    sched.check_integrity()
+    window = sched.kv.managers[1]
+    swap(sched, window.tables["w"], 3, window.null)
+    with pytest.raises(AssertionError, match=r"w: group 1 \(sliding\) holds no block"):
+        sched.check_integrity()
+
+
 def test_priority_ties_among_forks_do_not_livelock():
     """Forks share their parent's (priority, arrival): a tie must go to the one
     admitted last, else each fork in turn preempts the one that just got ahead."""

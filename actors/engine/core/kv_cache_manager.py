@@ -375,15 +375,53 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every ref count equals the number of table
-        entries (over all groups and requests) that hold the block, and only a request
-        with a table has a slot count."""
+        entries (over all groups and requests) that hold the block; a block sits at
+        one position of one table of one group, except when shared between requests
+        (a prefix hit, a fork) and then always at the same position of the same group;
+        a cached block is in its own group's tables; positions below a request's
+        retired watermark are null; each group keeps per-request bookkeeping exactly
+        for the requests it has tables for; only a request with a table has a slot
+        count; and a pending block copy writes into a block that only its fork holds
+        (not free, not cached: it is overwritten before the next forward)."""
         holders: Counter[int] = Counter()
+        where: dict[int, tuple[int, int]] = {}  # block id -> (group, position)
         null = self.pool.null_block
-        for manager in self.managers:
-            for table in manager.tables.values():
-                holders.update(b.block_id for b in table if b is not null)
+        for g, manager in enumerate(self.managers):
+            tables = manager.tables
+            for name in ("num_cached", "retired"):
+                keys = set(getattr(manager, name))
+                assert keys == set(tables), (
+                    f"group {g}: {name} names {sorted(keys ^ set(tables))}, which "
+                    "hold no table or lack the entry"
+                )
+            for rid, table in tables.items():
+                mine: set[int] = set()
+                for i, b in enumerate(table):
+                    if b is null:
+                        continue
+                    bid = b.block_id
+                    assert bid not in mine, f"{rid}: block {bid} twice in group {g}'s table"
+                    mine.add(bid)
+                    assert where.setdefault(bid, (g, i)) == (g, i), (
+                        f"{rid}: block {bid} at position {i} of group {g}, and at "
+                        f"{where[bid][1]} of group {where[bid][0]} in another table"
+                    )
+                    assert b.block_hash is None or b.group_id == g, (
+                        f"{rid}: group {g} holds block {bid}, cached for group {b.group_id}"
+                    )
+                holders.update(mine)
+                retired = manager.retired[rid]
+                assert all(b is null for b in table[:retired]), (
+                    f"{rid}: group {g} holds a block below its retired watermark {retired}"
+                )
         self.pool.check_integrity(holders)
         owners = {rid for m in self.managers for rid in m.tables}
         assert set(self._slots) <= owners, (
             f"slots of requests without blocks: {set(self._slots) - owners}"
         )
+        for src, dst in self._copies:
+            block = self.pool.blocks[dst]
+            assert block.ref_cnt == 1 and block.block_hash is None, (
+                f"pending copy {src} -> {dst} writes into {block}: it must be held by "
+                "its fork alone (a freed or shared destination is someone else's block)"
+            )

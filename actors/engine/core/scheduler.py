@@ -725,8 +725,11 @@ class Scheduler:
     def check_integrity(self) -> None:
         """KV invariants plus: every request is in exactly one queue that
         matches its status, only running requests hold blocks or are known to the
-        worker, a running request's full-attention blocks cover its computed tokens, and
-        every cached block a running request holds is the one of its own hash there."""
+        worker, a running request's full-attention blocks cover its computed tokens,
+        every cached block a running request holds is the one of its own hash there,
+        the blocks it still writes (from its computed tokens on) are its own and not
+        cached (copy-on-write), and every block its next token reads is held (the
+        sliding window's live blocks; a state group's current state)."""
         self.kv.check_integrity()
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
@@ -756,18 +759,36 @@ class Scheduler:
         # cached block it reads at position i is the one of its own i-th hash (a wrong
         # prefix hit would show here).
         bs, null = self.block_size, self.kv.pool.null_block
-        for m in self.kv.managers:
-            if m.spec.kind == "state":
-                continue
+        for g, m in enumerate(self.kv.managers):
+            kind = m.spec.kind
             for req in self.running:
-                table = m.tables.get(req.request_id, [])
+                rid, computed = req.request_id, req.num_computed_tokens
+                table = m.tables.get(rid, [])
                 hashes = req.block_hashes
                 for i, b in enumerate(table):
                     if b is not null and b.block_hash is not None:
                         assert i < len(hashes) and b.block_hash == hashes[i], (
-                            f"{req.request_id} reads block {b.block_id} at {i}: not its hash"
+                            f"{rid} reads block {b.block_id} at {i}: not its hash"
                         )
-                if m.spec.kind == "full":
+                # Copy-on-write: the request writes from its computed tokens on, so a
+                # block there must be its alone and not findable in the prefix cache.
+                for i in range(computed // bs, len(table)):
+                    b = table[i]
+                    assert b is null or (b.ref_cnt == 1 and b.block_hash is None), (
+                        f"{rid} writes block {b.block_id} at {i} (from token {computed}) "
+                        f"that is shared ({b.ref_cnt} holders) or cached: copy-on-write missed"
+                    )
+                if kind != "full":
+                    # Sliding window: the blocks since the window's start; state: the
+                    # block of the state after the computed tokens.
+                    end = -(-computed // bs)
+                    start = max(0, end - 1) if kind == "state" else m._retire_until(computed)
+                    lost = [i for i in range(start, end) if i >= len(table) or table[i] is null]
+                    assert not lost, (
+                        f"{rid}: group {g} ({kind}) holds no block at {lost}, which its "
+                        f"next token reads ({computed} tokens computed)"
+                    )
+                if kind == "full":
                     assert len(table) * bs >= req.num_computed_tokens, (
                         f"{req.request_id}: {len(table)} blocks, {req.num_computed_tokens} tokens"
                     )
