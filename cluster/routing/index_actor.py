@@ -45,6 +45,8 @@ class KVIndexActor:
         self.routing: OrderedDict[str, str] = OrderedDict()
         """Request id -> the replica its routing charged (load, recorded chain), so that
         Serve's retries of one request (no replica took it) count once."""
+        self.engine_ids: dict[str, str] = {}
+        """Request id -> its engine request id, for the requests in `routing` that have one."""
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
         self.store = MetricsStore()
@@ -184,6 +186,7 @@ class KVIndexActor:
         weights: dict[str, float],
         session: str | None = None,
         request_id: str | None = None,
+        engine_request_id: str | None = None,
     ) -> list[str]:
         """Rank `replica_ids` (Serve's current replicas of the lane) for a request
         with `chain`, and record the chain at the first one. Replicas the index
@@ -193,7 +196,9 @@ class KVIndexActor:
         Serve asks again for a request no replica took (all full); with `request_id`,
         a repeat only ranks: the decision, its matched blocks and the session count
         once, and the request's one unit of load moves if the first replica changed
-        (its own recorded chain counts as held, as the first ask left it)."""
+        (its own recorded chain counts as held, as the first ask left it).
+        `engine_request_id`: the id the engine will report when the request reaches it;
+        the request counts as the replica's load until then (`KVIndex.record`)."""
         now = self.index.clock()
         healthy, sick = [], []
         for rid in replica_ids:
@@ -221,15 +226,21 @@ class KVIndexActor:
         charged = self.routing.get(request_id) if request_id is not None else None
         if charged is not None:  # a retry: count nothing again
             if charged != best:
-                self._uncharge(charged)
-                self._record(best, chain)
+                self._uncharge(charged, engine_request_id)
+                self._record(best, chain, engine_request_id)
                 self.routing[request_id] = best  # type: ignore[index]
+            elif engine_request_id is not None and best in self.index.replicas:
+                # Still on its way there (every replica was full): its unit of load
+                # counts from now, not from its first ask.
+                self.index.record(best, chain, engine_request_id)
             return decision.ranked + sick
-        self._record(best, chain)
+        self._record(best, chain, engine_request_id)
         if request_id is not None:
             self.routing[request_id] = best
+            if engine_request_id is not None:
+                self.engine_ids[request_id] = engine_request_id
             while len(self.routing) > MAX_ROUTING:
-                self.routing.popitem(last=False)
+                self.engine_ids.pop(self.routing.popitem(last=False)[0], None)
         if session:
             self.sessions[session] = best
             self.sessions.move_to_end(session)
@@ -242,29 +253,36 @@ class KVIndexActor:
         return decision.ranked + sick
 
     def routed_elsewhere(
-        self, replica_id: str, chain: list[BlockHash], request_id: str | None = None
+        self,
+        replica_id: str,
+        chain: list[BlockHash],
+        request_id: str | None = None,
+        engine_request_id: str | None = None,
     ) -> None:
         """Serve sent the request to another replica than the first ranked one: the
         chain and the unit of load go there (taken back from the one first charged)."""
         charged = self.routing.pop(request_id, None) if request_id is not None else None
+        if request_id is not None:
+            engine_request_id = self.engine_ids.pop(request_id, engine_request_id)
         if charged is not None:
-            self._uncharge(charged)
-        self._record(replica_id, chain)
+            self._uncharge(charged, engine_request_id)
+        self._record(replica_id, chain, engine_request_id)
 
-    def _uncharge(self, replica_id: str) -> None:
+    def _uncharge(self, replica_id: str, engine_request_id: str | None = None) -> None:
         """Take back the unit of load a routing charged to `replica_id` (its recorded
         chain expires on its own)."""
-        state = self.index.replicas.get(replica_id)
-        if state is not None:
-            state.routed_since_heartbeat = max(0, state.routed_since_heartbeat - 1)
+        if replica_id in self.index.replicas:
+            self.index.unrecord(replica_id, engine_request_id)
         elif self.unknown_routed[replica_id] > 1:
             self.unknown_routed[replica_id] -= 1
         else:
             self.unknown_routed.pop(replica_id, None)
 
-    def _record(self, replica_id: str, chain: list[BlockHash]) -> None:
+    def _record(
+        self, replica_id: str, chain: list[BlockHash], engine_request_id: str | None = None
+    ) -> None:
         if replica_id in self.index.replicas:
-            self.index.record(replica_id, chain)
+            self.index.record(replica_id, chain, engine_request_id)
         else:
             self.unknown_routed[replica_id] += 1
 

@@ -17,6 +17,11 @@ and expire after `speculative_ttl_s`: the engine's own "stored" event makes one
 real, and one that never lands (the request went elsewhere, was rejected or
 aborted before its prefill) stops attracting traffic.
 
+Load: a replica's running and waiting requests as it last reported them, plus the
+requests routed to it that it had not reported as arrived (`stats["arrived"]`, the
+engine request ids that reached it since its previous report): a report does not
+forget a request still in transit or queued behind the engine's step.
+
 Health: a replica is healthy while it heartbeats (every publish is one) within
 `heartbeat_timeout_s` and no caller reported it failed since its last heartbeat.
 Start failures are counted per (lane, node); `restart_loop_threshold` of them
@@ -69,6 +74,17 @@ class ReplicaState:
     healthy_since: float = 0.0
     failed_at: float | None = None
     routed_since_heartbeat: int = 0
+    """Requests routed here without an engine request id since its last report."""
+    in_flight: dict[str, float] = field(default_factory=dict)
+    """Engine request id -> expiry: routed here, not yet reported by the engine as
+    arrived (`stats["arrived"]`). Its running and waiting counts cannot hold them yet,
+    and a report does not clear them: a request in transit, or queued behind a step,
+    when the engine reports is still load. One that never arrives (its client left
+    while Serve held it) stops counting at its expiry."""
+    arrived: dict[str, float] = field(default_factory=dict)
+    """Engine request id -> expiry: reported arrived within the last heartbeat timeout.
+    A router's late `record` of one (Serve's choice reported after the engine had the
+    request) is not load any more."""
     speculative: dict[BlockHash, float] = field(default_factory=dict)
     """Hashes recorded by routers, not yet confirmed by the engine -> expiry time."""
     states: set[BlockHash] | None = None
@@ -80,8 +96,14 @@ class ReplicaState:
 
     @property
     def load(self) -> int:
-        """Running + waiting requests, plus those routed here since its last report."""
-        return self.stats.num_running + self.stats.num_waiting + self.routed_since_heartbeat
+        """Running + waiting requests as last reported, plus those routed here that
+        had not arrived by then."""
+        return (
+            self.stats.num_running
+            + self.stats.num_waiting
+            + len(self.in_flight)
+            + self.routed_since_heartbeat
+        )
 
 
 @dataclass
@@ -238,6 +260,10 @@ class KVIndex:
 
     def _heartbeat(self, state: ReplicaState, stats: dict[str, Any] | None) -> None:
         now = self.clock()
+        for table in (state.in_flight, state.arrived):
+            if table:
+                for request_id in [r for r, t in table.items() if t <= now]:
+                    del table[request_id]
         if stats is not None and stats.get("alive") is False:
             # The process answers but its engine died: failed until Serve replaces it.
             state.last_heartbeat = now
@@ -250,6 +276,12 @@ class KVIndex:
         state.routed_since_heartbeat = 0
         if stats is not None:
             state.stats = ReplicaStats.from_dict(stats)
+            arrived = stats.get("arrived")
+            if arrived:
+                expiry = now + self.heartbeat_timeout_s
+                for request_id in arrived:
+                    state.in_flight.pop(request_id, None)
+                    state.arrived[request_id] = expiry
 
     # -- router side ----------------------------------------------------------------------
     def match(self, replica_id: str, chain: Sequence[BlockHash]) -> int:
@@ -273,13 +305,21 @@ class KVIndex:
                 n -= 1
         return n
 
-    def record(self, replica_id: str, chain: Sequence[BlockHash]) -> None:
+    def record(
+        self, replica_id: str, chain: Sequence[BlockHash], request_id: str | None = None
+    ) -> None:
         """A request with `chain` was just routed to the replica: count it as load and
-        its blocks as held until the engine's events say otherwise."""
+        its blocks as held until the engine's events say otherwise. With the engine's
+        `request_id`, it counts until the engine reports it arrived (or for one
+        heartbeat timeout); without, until the replica's next report."""
         state = self.replicas.get(replica_id)
         if state is None:
             return
-        state.routed_since_heartbeat += 1
+        now = self.clock()
+        if request_id is None:
+            state.routed_since_heartbeat += 1
+        elif state.arrived.get(request_id, 0.0) <= now:  # else its engine has it already
+            state.in_flight[request_id] = now + self.heartbeat_timeout_s
         expiry = self.clock() + self.speculative_ttl_s
         spec = state.speculative
         for h in chain:
@@ -293,6 +333,17 @@ class KVIndex:
                 now = self.clock()
                 for h in [h for h, t in table.items() if t <= now]:
                     del table[h]
+
+    def unrecord(self, replica_id: str, request_id: str | None = None) -> None:
+        """Take back the unit of load `record` charged (the request went elsewhere);
+        its recorded chain expires on its own."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            return
+        if request_id is not None:  # nothing to take back once it arrived there
+            state.in_flight.pop(request_id, None)
+        else:
+            state.routed_since_heartbeat = max(0, state.routed_since_heartbeat - 1)
 
     def report_failure(self, replica_id: str) -> None:
         """A caller saw the replica fail (its actor died mid-request)."""

@@ -105,7 +105,13 @@ class PrefixRouter(_IndexRouter):
         chain = payload.get("block_hashes") or []
         request_id = pending.metadata.internal_request_id if pending is not None else None
         return self.index.route.remote(
-            self.lane, replica_ids, chain, self.weights, payload.get("session"), request_id
+            self.lane,
+            replica_ids,
+            chain,
+            self.weights,
+            payload.get("session"),
+            request_id,
+            payload.get("request_id"),  # the engine's id: load until the engine has it
         )
 
     async def _rank(self, replica_ids: list[str], pending: PendingRequest | None) -> list[str]:
@@ -124,7 +130,9 @@ class PrefixRouter(_IndexRouter):
         chosen = replica_id.unique_id
         if first is not None and first != chosen:
             chain = _payload(pending_request).get("block_hashes") or []
-            self.index.routed_elsewhere.remote(chosen, chain, request_id)
+            self.index.routed_elsewhere.remote(
+                chosen, chain, request_id, _payload(pending_request).get("request_id")
+            )
 
 
 class RoundRobinRouter(_IndexRouter):

@@ -122,6 +122,47 @@ def test_record_is_speculative_load_reset_by_heartbeat(t):
     assert r.load == 4
 
 
+def test_a_request_routed_with_its_engine_id_is_load_until_the_engine_has_it(t):
+    """A report does not forget a request still on its way (or queued behind the
+    engine's step): it was load until the engine lists it as arrived, then its own
+    counts hold it. One that never arrives stops counting after a heartbeat timeout."""
+    idx = synced(t)
+    r = idx.replicas["r1"]
+    idx.record("r1", [A, B], "q1")
+    idx.record("r1", [A, C], "q2")
+    idx.record("r1", [A, D], "q3")
+    assert r.load == 3
+    # The engine reports before any of them reached it: all three still count.
+    idx.publish("r1", 1, stats={"num_running": 1, "num_waiting": 0, "arrived": []})
+    assert r.load == 4
+    # q1 and q2 arrived: its counts hold them now (one finished meanwhile, one runs).
+    idx.publish("r1", 2, stats={"num_running": 2, "num_waiting": 0, "arrived": ["q1", "q2"]})
+    assert sorted(r.in_flight) == ["q3"]
+    assert r.load == 3
+    # Ids the engine lists that were routed by no one (a spare's fallback) change nothing.
+    idx.publish("r1", 3, stats={"num_running": 2, "num_waiting": 0, "arrived": ["other"]})
+    assert r.load == 3
+    # A router's record that lands after the engine reported the request arrived (Serve's
+    # choice reported late) adds nothing: its engine has it.
+    idx.record("r1", [A], "q2")
+    assert list(r.in_flight) == ["q3"]
+    # q3 never arrives (its client left while Serve held it): it expires, also while
+    # the replica reports its engine dead.
+    t[0] += idx.heartbeat_timeout_s + 0.1
+    idx.publish("r1", 4, stats={"num_running": 2, "num_waiting": 0, "alive": False})
+    assert r.in_flight == {} and r.arrived == {}
+    idx.publish("r1", 5, stats={"num_running": 2, "num_waiting": 0, "arrived": []})
+    assert r.load == 2
+    # Taken back (Serve sent it elsewhere): by its id; an id it no longer has is a no-op.
+    idx.record("r1", [A], "q4")
+    idx.record("r1", [A])
+    idx.unrecord("r1", "q4")
+    idx.unrecord("r1", "gone")
+    assert (r.in_flight, r.routed_since_heartbeat) == ({}, 1)
+    idx.unrecord("r1")
+    assert r.load == 2
+
+
 # -- health ----------------------------------------------------------------------------
 
 
@@ -399,3 +440,11 @@ def test_serve_retrying_one_request_counts_it_once() -> None:
     # Another request is another decision.
     actor.route("chat", ["A", "B"], chain, weights, request_id="req-2")
     assert sum(d["count"] for d in actor.metrics()["decisions"]) == 2
+    # With the engine's id, the unit is that request's until its engine has it, and
+    # it moves with the request.
+    first = actor.route("chat", ["A", "B"], chain, weights, "s", "req-3", "eng-3")[0]
+    second = ({"A", "B"} - {first}).pop()
+    assert list(actor.index.replicas[first].in_flight) == ["eng-3"]
+    actor.routed_elsewhere(second, chain, "req-3")
+    in_flight = {r: list(actor.index.replicas[r].in_flight) for r in "AB"}
+    assert in_flight == {first: [], second: ["eng-3"]}

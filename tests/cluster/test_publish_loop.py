@@ -44,9 +44,12 @@ class _Handle:
 class _Engine:
     take_kv_batches = AsyncEngine.take_kv_batches
     return_kv_batches = AsyncEngine.return_kv_batches
+    take_arrived = AsyncEngine.take_arrived
+    return_arrived = AsyncEngine.return_arrived
 
     def __init__(self) -> None:
         self.kv_batches: collections.deque[dict[str, Any]] = collections.deque()
+        self._arrived: list[str] = []
         self.seq, self.cached, self.metrics = 0, set(), None
 
     def emit(self, event: Any) -> None:
@@ -71,7 +74,7 @@ async def _until(condition: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_failed_publish_loses_no_eviction() -> None:
+def test_a_failed_publish_loses_no_eviction_and_no_arrival() -> None:
     actor = KVIndexActor(heartbeat_timeout_s=3.0)
     actor.register("r", "lane", "n")
     index, engine = _Handle(actor), _Engine()
@@ -90,11 +93,15 @@ def test_a_failed_publish_loses_no_eviction() -> None:
         loop = asyncio.create_task(EngineReplica._publish_loop(replica))  # type: ignore[arg-type]
         engine.emit(BlockStored([H], 0))
         await _until(lambda: actor.index.match("r", [H]) == 1)
+        actor.index.record("r", [H], "q1")  # routed there, in transit
         index.fail_publishes = 1  # the batch with the eviction does not arrive
         engine.emit(BlockRemoved([H], 0))
+        engine._arrived.append("q1")  # nor the report that q1 reached the engine
         await _until(lambda: index.fail_publishes == 0)
-        # The replica is idle now (heartbeats only): the eviction must still arrive.
+        # The replica is idle now (heartbeats only): the eviction must still arrive,
+        # and q1 stop counting as routed-but-not-arrived load (long before it expires).
         await _until(lambda: actor.index.match("r", [H]) == 0)
+        await _until(lambda: not actor.index.replicas["r"].in_flight, timeout_s=2.0)
         loop.cancel()
 
     asyncio.run(scenario())

@@ -272,6 +272,98 @@ def test_an_engine_stuck_in_a_step_is_not_alive():
     asyncio.run(main())
 
 
+def test_requests_queued_behind_a_step_count_as_waiting_and_as_arrived():
+    """The router's index charged a routed request until the engine's next report,
+    which could not hold it yet when it was queued behind a running step: the load
+    the router saw dipped at every report. Queued requests now count as waiting, and
+    each request that reached `generate` is listed once (`take_arrived`)."""
+
+    async def main():
+        core, _sched, fake = make_engine(block_size=4, num_blocks=64)
+        release, entered = threading.Event(), threading.Event()
+        forward = fake.execute_model
+
+        def slow(out):  # type: ignore[no-untyped-def]
+            entered.set()
+            release.wait(30)
+            return forward(out)
+
+        fake.execute_model = slow
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        first = asyncio.ensure_future(collect(engine, "a", [1, 2, 3], max_tokens=2))
+        deadline = time.monotonic() + 10
+        while not entered.is_set():  # "a" is in a step that holds the engine thread
+            assert time.monotonic() < deadline, "the step never started"
+            await asyncio.sleep(0.01)
+        streams = [engine.generate(rid, [4, 5, 6], params) for rid in ("b", "c")]
+        nexts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        while len(engine._arrived) < 3:  # both reached generate and queued their add
+            assert time.monotonic() < deadline, "the requests never reached generate"
+            await asyncio.sleep(0.01)
+        assert engine.take_arrived() == ["a", "b", "c"]
+        assert engine.take_arrived() == []
+        stats = engine.stats()
+        assert (stats["num_running"], stats["num_waiting"]) == (1, 2)
+        release.set()
+        await first
+        for nxt, stream in zip(nexts, streams, strict=True):
+            await nxt
+            async for _ in stream:
+                pass
+        stats = engine.stats()
+        assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_failing_a_request_whose_final_output_is_queued_changes_nothing():
+    """A drain's deadline ends the open streams with an error: a request whose final
+    output was already queued (its consumer had not read it yet) had finished; it was
+    counted as aborted and its stream ended... after the final output anyway. `fail`
+    now leaves it alone and says so; a request still running is failed."""
+
+    async def main():
+        core, sched, fake = make_engine(block_size=4, num_blocks=64)
+        hold, release = threading.Event(), threading.Event()
+        forward = fake.execute_model
+
+        def gated(out):  # type: ignore[no-untyped-def]
+            if hold.is_set():
+                release.wait(30)
+            return forward(out)
+
+        fake.execute_model = gated
+        engine = AsyncEngine(core, None, eos_token_id=None)
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        done = engine.generate("done", [1, 2, 3], params)
+        first = await done.__anext__()  # the stream is open; the rest queues up
+        assert isinstance(first, Delta)
+        deadline = time.monotonic() + 10
+        while "done" in sched.requests or "done" not in engine._ended:
+            assert time.monotonic() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
+        hold.set()  # from now on a step waits: "running" cannot finish
+        running = engine.generate("running", [4, 5], SamplingParams(max_tokens=50))
+        nxt = asyncio.ensure_future(running.__anext__())
+        while "running" not in engine._streams:
+            assert time.monotonic() < deadline, "the second request never opened"
+            await asyncio.sleep(0.01)
+        assert engine.fail("done", RuntimeError("drained")) is False
+        assert engine.fail("running", RuntimeError("drained")) is True
+        assert engine.fail("running", RuntimeError("again")) is False  # one ending
+        rest = [item async for item in done]
+        assert isinstance(rest[-1], RequestOutput)
+        assert len(rest[-1].outputs[0].token_ids) == 3
+        with pytest.raises(RuntimeError, match="drained"):
+            await nxt
+        release.set()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_stop_strings_without_a_tokenizer_fail_that_request_only():
     async def main():
         core, sched, _ = make_engine(block_size=4, num_blocks=64)

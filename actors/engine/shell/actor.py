@@ -188,9 +188,11 @@ class EngineReplica:
         deadline = self.draining_since + timeout
         while engine.request_ids and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        left = engine.request_ids
-        for rid in left:
-            engine.fail(
+        # A request whose final output is queued for its consumer finished: not aborted.
+        left = [
+            rid
+            for rid in engine.request_ids
+            if engine.fail(
                 rid,
                 Draining(
                     f"this replica of lane {self.lane!r} was removed (shutdown or scale-down) "
@@ -198,6 +200,7 @@ class EngineReplica:
                     "finished: it was aborted; retry it"
                 ),
             )
+        ]
         report: dict[str, Any] = {
             "replica_id": self.replica_id,
             "finished": len(at_start - set(left)),
@@ -265,10 +268,11 @@ class EngineReplica:
             snapshot = None
             if with_metrics and engine.metrics is not None:
                 snapshot = engine.metrics.snapshot()
+            # The arrivals first: the load read after them counts each (see take_arrived).
+            arrived = engine.take_arrived()
+            stats = {**engine.stats(), "arrived": arrived}
             try:
-                answer = await self.index.publish.remote(
-                    self.replica_id, batches, engine.stats(), snapshot
-                )
+                answer = await self.index.publish.remote(self.replica_id, batches, stats, snapshot)
                 if self.draining_since is not None:
                     # The drain began while this publish was in flight and has left the
                     # index: a resync now would register the replica again.
@@ -294,6 +298,7 @@ class EngineReplica:
                 # An index that stays up would never see these batches' removals (an
                 # idle replica's heartbeats carry no sequence number): send them again.
                 engine.return_kv_batches(batches)
+                engine.return_arrived(arrived)
                 if snapshot is not None and engine.metrics is not None:
                     engine.metrics.restore_window(snapshot)  # its worst ratios: next report
                 if not warned:

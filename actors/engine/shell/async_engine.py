@@ -149,6 +149,14 @@ class AsyncEngine:
         # deliver a step's output for them until it applies their abort, so they are
         # not reused until it has (event loop thread only).
         self._closing: set[str] = set()
+        # Open streams whose last item (the final output, or an error) is queued: the
+        # request is over though its consumer has not read it yet (event loop thread).
+        self._ended: set[str] = set()
+        # Requests `generate` handed to the engine thread, and those it has taken in
+        # (each counter written by one thread): the difference is queued behind a step.
+        self._adds_sent = 0
+        self._adds_done = 0
+        self._arrived: list[str] = []  # ids that reached `generate`, for the router's index
         self._loop = asyncio.get_running_loop()
         self._stop = threading.Event()
         self.error: str | None = None
@@ -202,6 +210,8 @@ class AsyncEngine:
         `OutputProcessor.add_request`). `lane`: the lane the request came for, when
         another than the engine's own (a spare's): its statistics count there
         (`EngineMetrics.on_add`)."""
+        if len(self._arrived) < 100_000:  # bounded when no publisher takes them
+            self._arrived.append(request_id)
         if self.error is not None or self.stuck:
             # Stuck: it would queue behind a step that may never end (the replica is
             # about to be restarted): refused now, with the reason.
@@ -217,6 +227,7 @@ class AsyncEngine:
         stream: asyncio.Queue[Delta | RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = self.metrics.clock() if self.metrics is not None else None
+        self._adds_sent += 1
         self._inbox.put(
             _Add(
                 request_id,
@@ -276,6 +287,7 @@ class AsyncEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            self._ended.discard(request_id)
             if not done:
                 self._closing.add(request_id)
                 self._inbox.put(_Abort(request_id))
@@ -288,10 +300,12 @@ class AsyncEngine:
     def fail(self, request_id: str, exc: Exception) -> bool:
         """End an open request's stream with `exc` (its `generate` raises it) and abort
         the request: its blocks return to the pool within one step. Call from the event
-        loop thread. Returns False when the request has no open stream."""
+        loop thread. Returns False when the request has no open stream, or its stream
+        already holds its last item (it ended; its consumer has not read it yet)."""
         stream = self._streams.get(request_id)
-        if stream is None:
+        if stream is None or request_id in self._ended:
             return False
+        self._ended.add(request_id)
         stream.put_nowait(exc)
         self._closing.add(request_id)
         self._inbox.put(_Abort(request_id))
@@ -378,6 +392,8 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(item)
+            if not isinstance(item, Delta):
+                self._ended.add(request_id)
 
     def _deliver_many(self, items: list[Delta | RequestOutput]) -> None:
         for item in items:
@@ -423,6 +439,13 @@ class AsyncEngine:
             # After every delivery already queued for it (the loop runs them in order).
             self._loop.call_soon_threadsafe(self._closing.discard, cmd.request_id)
             return
+        try:
+            self._add(cmd)
+        finally:  # after the scheduler holds it: `stats` may count it twice, never not
+            self._adds_done += 1
+
+    def _add(self, cmd: _Add) -> None:
+        sched = self.scheduler
         params = with_eos(cmd.params, self.more_eos_token_ids)
         try:  # a request either side refuses fails alone, before the engine holds it
             request = sched.make_request(
@@ -582,13 +605,31 @@ class AsyncEngine:
             self.kv_batches.append(event_batch(self._next_seq, events, 0, self.state_group))
             self._next_seq += 1
 
+    def take_arrived(self) -> list[str]:
+        """The request ids that reached `generate` since the last call (event loop
+        thread): `stats()` taken after this call counts each of them that is still in
+        the engine, running or waiting (the router's index stops adding them as
+        routed-but-not-arrived load)."""
+        ids, self._arrived = self._arrived, []
+        return ids
+
+    def return_arrived(self, ids: list[str]) -> None:
+        """Give back ids `take_arrived` returned that could not be reported."""
+        self._arrived[:0] = ids
+
     def stats(self) -> dict[str, Any]:
-        """A snapshot (read from another thread: values may be one step old)."""
+        """A snapshot (read from another thread: values may be one step old).
+        `num_waiting` includes the requests queued for the engine thread, which
+        takes them in between steps. Read in the order a request moves (queued, then
+        waiting, then running): one that moves meanwhile counts twice, never not."""
         kv = self.scheduler.kv
+        queued = 0 if self.error is not None else max(0, self._adds_sent - self._adds_done)
+        waiting = len(self.scheduler.waiting)
+        running = len(self.scheduler.running)
         return {
             **self.last_stats,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_running": running,
+            "num_waiting": waiting + queued,
             "kv_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_blocks": kv.pool.num_blocks,
