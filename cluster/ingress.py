@@ -61,7 +61,7 @@ from spur.cluster.errors import (
 from spur.cluster.failover import EngineStream, LaneOpener
 from spur.cluster.fanout import FanOut
 from spur.cluster.lanes import Lane, LaneMonitor, LaneSelector
-from spur.cluster.readiness import health_report, shutting_down
+from spur.cluster.readiness import health_report, quiet_probe_logs, shutting_down
 from spur.cluster.routing.index_actor import get_index, index_kwargs_of
 from spur.cluster.tokenizer_cache import local_tokenizer_dir
 
@@ -221,14 +221,19 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 async def _collect(fan: FanOut, n: int, prompts: list[list[int]]) -> list[RequestOutput]:
-    """Accumulate every prompt's stream into a RequestOutput (non-streaming answers)."""
-    outs = []
-    for ids in prompts:
-        comps = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(n)]
-        outs.append(RequestOutput("", None, ids, comps))
+    """Accumulate every prompt's stream into a RequestOutput (non-streaming answers).
+    A `restart` item (the prompt runs again from its start on another replica: n > 1
+    after a replica failed, see `EngineStream`) drops what the prompt had collected."""
+
+    def empty() -> list[CompletionOutput]:
+        return [CompletionOutput(index=i, text="", token_ids=[]) for i in range(n)]
+
+    outs = [RequestOutput("", None, ids, empty()) for ids in prompts]
     async for i, item in fan.items():
         out = outs[i]
-        if item["type"] == "delta":
+        if item["type"] == "restart":
+            out.outputs = empty()
+        elif item["type"] == "delta":
             d = _delta(item)
             c = out.outputs[d.index]
             c.text += d.text
@@ -301,6 +306,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 class Ingress:
     def __init__(self, engines: dict[str, Any], config: dict[str, Any]) -> None:
         start_tokenizer_import()  # while the engines start (readiness waits on the load)
+        quiet_probe_logs()
         self.config = config
         sections = {lane["name"]: lane for lane in config["lanes"]}
         spare = config.get("spare")
@@ -485,6 +491,9 @@ class Ingress:
         own = stats or spare_stats
         assert own is not None
         _learn_limits(lane, own, from_spare=stats is None)
+        if spare and spare_stats and not self.monitor.lanes[spare].max_model_len:
+            # Known before the first failover: the opener fits requests to it.
+            self.monitor.lanes[spare].max_model_len = int(spare_stats["max_model_len"])
         if (
             stats
             and spare_stats
@@ -581,18 +590,24 @@ class Ingress:
         max_completion_tokens: int = 0,
         asked: bool = False,
         min_completion_tokens: int = 1,
+        *,
+        choices: int = 1,
+        owner: str | None = None,
     ) -> tuple[Any, int | None, int | None]:
         """Take a lease of the key's limits for this request (429 when over one; 400 when
         it can never fit the key's budget), its prompt and its completion's maximum
-        charged (`LimitBook.admit`; `asked`: the request named its max tokens). Returns
-        (limits actor, lease id, the completion tokens the request may generate or None
-        for no bound); (None, None, None) when the key has no limits."""
+        charged (`LimitBook.admit`; `asked`: the request named its max tokens;
+        `min_completion_tokens`: what its `choices` need together). `owner`: this
+        ingress's id, which the lane monitor renews, so the lease expires soon after
+        this replica dies. Returns (limits actor, lease id, the completion tokens the
+        request may generate or None for no bound); (None, None, None) when the key
+        has no limits."""
         if principal is None or not principal.limited:
             return None, None, None
         if self.limits is None:
             from spur.cluster.limits import get_limits
 
-            self.limits = get_limits()
+            self.limits = self.monitor.limits = get_limits()  # the monitor renews leases
         limits = self.limits
         call = asyncio.ensure_future(
             _await(
@@ -604,6 +619,7 @@ class Ingress:
                     max_completion_tokens,
                     asked,
                     min_completion_tokens,
+                    owner,
                 )
             )
         )
@@ -636,6 +652,16 @@ class Ingress:
                     f"the prompt has {prompt_tokens:,} tokens, and key {principal.name!r} may "
                     f"use {budget:,} per minute (prompt and completion): shorten it or ask "
                     "for a higher tokens_per_minute",
+                    param="prompt",
+                    code="tokens_per_minute_exceeded",
+                )
+            if not asked:  # a default max_tokens is cut to fit: its choices' minimum is not
+                raise bad_request(
+                    f"the prompt leaves {budget - prompt_tokens:,} of the {budget:,} tokens "
+                    f"key {principal.name!r} may use per minute, fewer than "
+                    f"{max(1, min_completion_tokens // choices):,} (min_tokens, at least 1) "
+                    f"for each of its {choices:,} choices: shorten the prompt, ask for fewer "
+                    "choices or a lower min_tokens, or ask for a higher tokens_per_minute",
                     param="prompt",
                     code="tokens_per_minute_exceeded",
                 )
@@ -810,7 +836,13 @@ class Ingress:
         most = sum(each) * params.n
         choices = params.n * len(prompts)
         limits, lease, allowed = await self._admit(
-            principal, prompt_tokens, most, req.asks_max_tokens, max(1, params.min_tokens) * choices
+            principal,
+            prompt_tokens,
+            most,
+            req.asks_max_tokens,
+            max(1, params.min_tokens) * choices,
+            choices=choices,
+            owner=self.ingress_id,
         )
         if allowed is not None and allowed < most:
             # The key's token budget bounds a default max_tokens: every choice gets an
@@ -840,15 +872,20 @@ class Ingress:
                 "cache_salt": salt,
                 "session": session,
                 "lane": lane.name,  # a spare's metrics count the request on this lane
+                # A spare with a shorter max_model_len refuses a max_tokens the client
+                # named rather than cut it short (a default one is lowered to fit).
+                "max_tokens_asked": bool(req.asks_max_tokens),
             }
             for i, ids in enumerate(prompts)
         ]
+        opener = self._opener(lane, chat=chat)  # one per request: it counts one fallback
         streams = [
             EngineStream(
-                self._opener(lane, chat=chat),
+                opener,
                 payload,
                 max_attempts=int(self.router["max_attempts"]),
                 on_event=self._on_event(lane.name),
+                restartable=not req.stream,  # nothing reaches the client before the end
             )
             for payload in payloads
         ]
@@ -882,13 +919,17 @@ class Ingress:
             outputs = await _collect(fan, params.n, prompts)
         except BaseException as exc:  # a failed prompt, or the client went away: abort all
             fan.close()
-            generated = sum(len(s.generated) for s in streams)
+            generated = sum(len(s.generated) + s.discarded for s in streams)
             # What was computed is billed; a request refused before its first token (a
             # full queue, a bad prompt, no replica) is refunded, prompt included, so a
             # client that retries after a 429 is not charged for work that never ran.
             release(generated, refund=not generated and not isinstance(exc, asyncio.CancelledError))
             raise
-        release(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+        # What the answer holds, and what runs a restart dropped computed (EngineStream).
+        release(
+            sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            + sum(s.discarded for s in streams)
+        )
         for out in outputs:
             for comp in out.outputs:
                 if comp.finish_reason == "abort":

@@ -30,6 +30,7 @@ from typing import Any
 from spur.actors.engine.core.hashing import BlockHasher
 from spur.actors.generation_config import SamplingDefaults
 from spur.cluster import metrics as M
+from spur.cluster.limits import RENEW_EVERY_S
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,10 @@ class LaneMonitor:
     """The ingress's loop around `LaneSelector`: a few times a second it reads the
     KV index's health view (healthy replicas and waiting queues per lane), moves
     lanes to and from their spare, learns whether the deployment is draining, and
-    pushes this ingress's metrics counters every second.
+    pushes this ingress's metrics counters every second. Once the ingress set
+    `limits` (the per-key limits actor, `spur.cluster.limits`), it also renews this
+    ingress's ownership of its key leases there every `RENEW_EVERY_S`, so the leases
+    of an ingress that died expire within `OWNER_SILENCE_S`.
 
     `index` is the KV index actor's handle (`routing.index_actor.get_index`): the
     monitor only calls `.remote(...)` on its methods, so no Ray import here.
@@ -214,13 +218,32 @@ class LaneMonitor:
         self.draining: str | None = None
         self.on_spare: Counter[str] = Counter()
         self._pushed = float("-inf")  # loop time of the last metrics push
+        self.limits: Any = None  # the limits actor, once this ingress admitted by it
         self._round: asyncio.Future[None] | None = None  # the poll in flight, if any
 
-    async def run(self, period_s: float = 0.25) -> None:
-        """`refresh()` every `period_s` until cancelled."""
+    async def run(self, period_s: float = 0.25, renew_every_s: float = RENEW_EVERY_S) -> None:
+        """`refresh()` every `period_s` until cancelled; meanwhile renew the leases
+        every `renew_every_s` in a task of their own (`_renew_loop`)."""
+        renewer = asyncio.ensure_future(self._renew_loop(renew_every_s))
+        try:
+            while True:
+                await self.refresh()
+                await asyncio.sleep(period_s)
+        finally:
+            renewer.cancel()
+
+    async def _renew_loop(self, every_s: float) -> None:
+        """Once the ingress set `limits`, tell the limits actor every `every_s` that
+        this ingress is alive (sent, not awaited). Its own task: a round stuck on the
+        KV index (slow, restarting) would otherwise hold the renewals too, and a live
+        ingress's leases would expire."""
         while True:
-            await self.refresh()
-            await asyncio.sleep(period_s)
+            if self.limits is not None:
+                try:
+                    self.limits.renew.remote(self.ingress_id)
+                except Exception as exc:  # the actor restarts: the next call goes through
+                    logger.warning("lane monitor: lease renewal: %s", exc)
+            await asyncio.sleep(every_s)
 
     async def refresh(self) -> None:
         """Returns once a `poll()` round that started after this call has run (rounds

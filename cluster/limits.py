@@ -1,10 +1,11 @@
 """Per-key limits, enforced across every ingress replica: concurrent generation
 requests and tokens (prompt + completion) per minute.
 
-    ingress replica ──admit(key, limits, prompt_tokens, max_completion)──> LimitsActor
+    ingress replica ──admit(key, limits, prompt_tokens, max_completion, owner)──> LimitsActor
                     <── {"lease": id, "completion_tokens": n}      (one, named)
                         | {"retry_after_s": s, "reason": ...}
                     ──release(key, lease, completion_tokens, refund)──>
+                    ──renew(owner)──>   (every RENEW_EVERY_S, one per ingress replica)
 
 The state lives in one Ray actor (as the KV index does), so limits hold however
 many ingress replicas there are. `LimitBook` is the pure bookkeeping (unit
@@ -16,9 +17,16 @@ before any of them is billed (OpenAI's limiter counts max_tokens too). That rese
 is also all the request may generate: the ingress cuts a default max_tokens to it, and
 a request that asked for more than the budget can ever hold is refused. At release the
 reservation is taken back and the completion's real tokens are charged; a request that
-failed before its first token is refunded whole. A window is the last 60 seconds. A
-lease that is never released (its ingress died) expires after `lease_ttl_s`, so a lost
-replica cannot pin a key's concurrency.
+failed before its first token is refunded whole. A window is the last 60 seconds.
+A lease names its owner, the ingress replica that took it, and each ingress renews
+its ownership every `RENEW_EVERY_S` (one `renew` call per ingress, from its lane
+monitor, whatever its number of requests). A lease that is never released because its
+ingress died expires once that owner has been silent for `OWNER_SILENCE_S`, so a lost
+replica pins a key's concurrency for about a minute; `lease_ttl_s` (an hour) stays
+as the backstop for a lease taken without an owner, or an owner that renews but
+never releases. An expired lease's reservation stays charged until the window drops
+it, and a late release of it bills its completion. A lease released again within a
+window of its release is not billed again.
 The actor restarts if it dies; counts then start from zero (a brief window of
 leniency, never a lock-out). Lease ids start at a random number in each actor's
 life, and `release` names the key, so a lease taken before a restart can never end
@@ -39,6 +47,12 @@ from typing import Any
 WINDOW_S = 60.0
 LIMITS_NAME = "spur-limits"
 LIMITS_NAMESPACE = "spur"
+OWNER_SILENCE_S = 60.0
+"""How long an owner (ingress replica) may go unheard before its leases expire: six
+renewals, so a few lost or late ones (a busy actor, a stalled event loop) never end a
+live ingress's leases, yet a dead one's slots come back within about a minute."""
+RENEW_EVERY_S = OWNER_SILENCE_S / 6
+"""How often each ingress calls `renew` (`LaneMonitor.poll`)."""
 
 
 class _Charge:
@@ -59,32 +73,70 @@ class _KeyState:
 
 class LimitBook:
     """Concurrency leases and token windows per key id. Not thread-safe (the actor
-    runs one call at a time). `clock`: monotonic seconds (injectable for tests)."""
+    runs one call at a time). `clock`: monotonic seconds (injectable for tests).
+    `owner_silence_s`: how long an owner may go unheard before its leases expire."""
 
     def __init__(
-        self, lease_ttl_s: float = 3600.0, clock: Callable[[], float] = time.monotonic
+        self,
+        lease_ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+        owner_silence_s: float = OWNER_SILENCE_S,
     ) -> None:
         self.lease_ttl_s = lease_ttl_s
+        self.owner_silence_s = owner_silence_s
         self.clock = clock
         self.keys: dict[str, _KeyState] = {}
-        self.lease_owner: dict[int, str] = {}
+        self.lease_key: dict[int, str] = {}  # live lease -> the key it counts against
+        self.lease_holder: dict[int, str] = {}  # live lease -> its owner, if it named one
+        self.held: dict[str, set[int]] = {}  # owner -> its live leases
+        self.heard: dict[str, float] = {}  # owner -> when it last renewed or admitted
         # Unique across the actor's restarts, so an old lease never names a new one.
         self._ids = itertools.count(secrets.randbits(62))
         self.refused: collections.Counter[str] = collections.Counter()
         # lease id -> (its admission charge, the completion tokens reserved in it)
         self.reserved: dict[int, tuple[_Charge, int]] = {}
+        # (key, lease) released in the last window, and when (in release order): a
+        # second release of one is ignored rather than billed again.
+        self.ended: set[tuple[str, int]] = set()
+        self._ended_at: collections.deque[tuple[float, str, int]] = collections.deque()
 
     def _state(self, key_id: str, now: float) -> _KeyState:
+        self._expire_silent(now)
+        while self._ended_at and self._ended_at[0][0] <= now - WINDOW_S:
+            self.ended.discard(self._ended_at.popleft()[1:])
         st = self.keys.setdefault(key_id, _KeyState())
         while st.tokens and st.tokens[0].time <= now - WINDOW_S:
             gone = st.tokens.popleft()
             gone.live = False
             st.tokens_sum -= gone.tokens
         for lease in [k for k, v in st.leases.items() if v <= now]:
-            del st.leases[lease]
-            self.lease_owner.pop(lease, None)
+            self._forget(lease)
             self.reserved.pop(lease, None)  # charged until the window drops it
         return st
+
+    def _expire_silent(self, now: float) -> None:
+        """Expire every lease of an owner unheard for `owner_silence_s` (as the TTL
+        expires one: its reservation stays charged until the window drops it)."""
+        for owner in [o for o, t in self.heard.items() if t <= now - self.owner_silence_s]:
+            del self.heard[owner]
+            for lease in list(self.held.get(owner, ())):
+                self._forget(lease)
+                self.reserved.pop(lease, None)
+
+    def _forget(self, lease: int) -> None:
+        """Drop a live lease from its key's leases and its owner's."""
+        key_id = self.lease_key.pop(lease)
+        self.keys[key_id].leases.pop(lease, None)
+        owner = self.lease_holder.pop(lease, None)
+        if owner is not None:
+            self.held[owner].discard(lease)
+            if not self.held[owner]:
+                del self.held[owner]
+
+    def renew(self, owner: str) -> None:
+        """`owner` (an ingress replica) is alive: its leases stay until released, or
+        until it has been silent for `owner_silence_s` (or their TTL ends)."""
+        self.heard[owner] = self.clock()
 
     def admit(
         self,
@@ -95,9 +147,12 @@ class LimitBook:
         max_completion_tokens: int = 0,
         asked: bool = False,
         min_completion_tokens: int = 1,
+        owner: str | None = None,
     ) -> dict[str, Any]:
         """Take a lease for one request of `prompt_tokens` that may generate up to
-        `max_completion_tokens`, or refuse it.
+        `max_completion_tokens`, or refuse it. `owner`: the ingress replica taking it,
+        which must `renew` at least every `owner_silence_s` or the lease expires (the
+        admission counts as hearing from it); None: only `lease_ttl_s` ends it.
 
         Returns {"lease": int, "completion_tokens": int | None}: the prompt and the
         reservation are charged now, and `completion_tokens` is that reservation, the
@@ -112,6 +167,8 @@ class LimitBook:
         no token of it for a completion that needs some, or (`asked`: the request named
         its max tokens itself) its prompt plus `max_completion_tokens` exceed it."""
         now = self.clock()
+        if owner is not None:
+            self.heard[owner] = now
         st = self._state(key_id, now)
         if max_concurrent is not None and len(st.leases) >= max_concurrent:
             self.refused["concurrency"] += 1
@@ -144,7 +201,10 @@ class LimitBook:
                 return {"retry_after_s": max(0.0, when - now), "reason": "tokens"}
         lease = next(self._ids)
         st.leases[lease] = now + self.lease_ttl_s
-        self.lease_owner[lease] = key_id
+        self.lease_key[lease] = key_id
+        if owner is not None:
+            self.lease_holder[lease] = owner
+            self.held.setdefault(owner, set()).add(lease)
         charge = self._charge(st, now, prompt_tokens + (reserve or 0))
         if charge is not None:
             self.reserved[lease] = (charge, reserve or 0)
@@ -160,13 +220,16 @@ class LimitBook:
         that outlived the window (its reservation already dropped from it) is charged
         only the completion tokens beyond its reservation. The tokens are charged even
         when the lease is no longer known (it expired, or was taken
-        before the actor restarted); a lease that is not the key's is left alone."""
-        owner = self.lease_owner.get(lease)
+        before the actor restarted); a lease that is not the key's is left alone. A
+        second release of a lease within a window of the first does nothing."""
         now = self.clock()
         st = self._state(key_id, now)
-        if owner == key_id:
-            self.lease_owner.pop(lease, None)
-            st.leases.pop(lease, None)
+        if (key_id, lease) in self.ended:
+            return  # released already: billed once
+        self.ended.add((key_id, lease))
+        self._ended_at.append((now, key_id, lease))
+        if self.lease_key.get(lease) == key_id:
+            self._forget(lease)
             charge, reserve = self.reserved.pop(lease, (None, 0))
             if charge is not None and charge.live:
                 back = charge.tokens if refund else reserve
@@ -193,19 +256,28 @@ class LimitBook:
         return {"in_flight": len(st.leases), "tokens_last_minute": st.tokens_sum}
 
     def check_integrity(self) -> None:
-        """Every lease has one owner and sits in that owner's state; sums match; a
-        reservation belongs to a lease and is part of a charge that still holds it."""
+        """Every lease has one key and sits in that key's state, and one owner at most,
+        who holds it and is heard from; sums match; a reservation belongs to a lease
+        and is part of a charge that still holds it; a released lease is never live
+        again (a second release would bill it twice) and is remembered once."""
         owned = 0
         for key_id, st in self.keys.items():
             for lease in st.leases:
-                assert self.lease_owner.get(lease) == key_id, (lease, key_id)
+                assert self.lease_key.get(lease) == key_id, (lease, key_id)
             owned += len(st.leases)
             assert st.tokens_sum == sum(c.tokens for c in st.tokens), key_id
             assert all(c.live and c.tokens >= 0 for c in st.tokens), key_id
-        assert owned == len(self.lease_owner), (owned, len(self.lease_owner))
+        assert owned == len(self.lease_key), (owned, len(self.lease_key))
+        for lease, owner in self.lease_holder.items():
+            assert lease in self.lease_key and lease in self.held[owner], (lease, owner)
+            assert owner in self.heard, owner
+        assert sum(map(len, self.held.values())) == len(self.lease_holder)
         for lease, (charge, reserve) in self.reserved.items():
-            assert lease in self.lease_owner or not charge.live, lease
+            assert lease in self.lease_key or not charge.live, lease
             assert not charge.live or charge.tokens >= reserve, lease
+        for key_id, lease in self.ended:
+            assert self.lease_key.get(lease) != key_id, ("a released lease is live", lease)
+        assert len(self.ended) == len(self._ended_at), "a lease released twice"
 
 
 class LimitsActor:
@@ -223,6 +295,7 @@ class LimitsActor:
         max_completion_tokens: int = 0,
         asked: bool = False,
         min_completion_tokens: int = 1,
+        owner: str | None = None,
     ) -> dict[str, Any]:
         return self.book.admit(
             key_id,
@@ -232,7 +305,11 @@ class LimitsActor:
             max_completion_tokens,
             asked,
             min_completion_tokens,
+            owner,
         )
+
+    def renew(self, owner: str) -> None:
+        self.book.renew(owner)
 
     def release(
         self, key_id: str, lease: int, completion_tokens: int = 0, refund: bool = False

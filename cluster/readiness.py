@@ -16,6 +16,8 @@ spare (all engines lost after start).
 
 from __future__ import annotations
 
+import logging
+import re
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -98,3 +100,27 @@ class CountedStream:
 
     def __del__(self) -> None:
         self._close()
+
+
+_PROBE_LINE = re.compile(r"(?:^|\s)(?:GET|HEAD) (?:/health|/health/live|/metrics) 2\d\d ")
+"""Serve's access-log line of a successful probe or scrape ("GET /health 200 0.4ms",
+after the client's address when Serve logs it)."""
+
+
+class QuietProbes(logging.Filter):
+    """Drop Serve's access-log lines of successful `/health`, `/health/live` and
+    `/metrics` requests: Kubernetes probes and Prometheus scrapes every few seconds
+    would fill the ingress's log. Their failures (a 503 while starting or draining)
+    and every other request's line stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "serve_access_log", False):
+            return True
+        return _PROBE_LINE.search(record.getMessage()) is None
+
+
+def quiet_probe_logs(logger_name: str = "ray.serve") -> None:
+    """Install `QuietProbes` on Serve's logger (once per process)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, QuietProbes) for f in logger.filters):
+        logger.addFilter(QuietProbes())

@@ -314,3 +314,97 @@ def test_shutting_down_is_not_retried_and_ends_the_stream():
     opener = Opener(FakeGen([delta(1), drained]), shutting_down("stop signal"))
     items, _, _ = run(opener)
     assert items[-1]["type"] == "error" and "shutting down" in items[-1]["message"]
+
+
+def _delta_at(tok: int, index: int, rid: str, finish: str | None = None) -> dict[str, Any]:
+    return {**delta(tok, rid, finish), "index": index}
+
+
+def _n2_streams() -> tuple[FakeGen, FakeGen]:
+    """Two completions: a stream that breaks after one token of each, and a whole one."""
+    broken = FakeGen([_delta_at(1, 0, "r1"), _delta_at(2, 1, "r1")], ActorDiedError("gone"))
+    whole = FakeGen(
+        [
+            _delta_at(5, 0, "r2"),
+            _delta_at(6, 1, "r2"),
+            _delta_at(7, 0, "r2", "length"),
+            _delta_at(8, 1, "r2", "length"),
+            final("r2"),
+        ]
+    )
+    return broken, whole
+
+
+N2 = {**PAYLOAD, "sampling_params": {"max_tokens": 2, "n": 2}}
+
+
+def test_a_non_streamed_n_2_request_runs_again_when_its_replica_dies():
+    """n > 1 cannot be continued, but when nothing reached the client yet (a
+    non-streamed response: `restartable`) the request runs again from its start on
+    another replica rather than end in a 503; the consumer is told to drop what it
+    collected by a `restart` item. A streamed one still ends with the error item."""
+    opener = Opener(*_n2_streams())
+    events: list[tuple[str, str | None]] = []
+    stream = EngineStream(
+        opener,
+        N2,
+        max_attempts=3,
+        on_event=lambda name, rid: events.append((name, rid)),
+        backoff_s=0,
+        restartable=True,
+    )
+
+    async def drain() -> list[dict[str, Any]]:
+        return [await stream.start()] + [item async for item in stream]
+
+    items = asyncio.run(drain())
+    kinds = [it["type"] for it in items]
+    cut = kinds.index("restart")
+    assert tokens(items[:cut]) == [1, 2] and tokens(items[cut:]) == [5, 6, 7, 8]
+    assert kinds[-1] == "final" and "error" not in kinds
+    again = opener.payloads[1]
+    assert again["request_id"] == "req-r1" and opener.attempts == [0, 1]
+    assert (again["prompt_token_ids"], again["sampling_params"]) == (
+        [1, 2, 3],
+        N2["sampling_params"],
+    )
+    assert ("replica_failed", "r1") in events and ("retry", None) in events
+    assert stream.generated == [5, 6, 7, 8] and stream.restarts == 1
+    assert stream.discarded == 2  # computed by the broken run: billed too
+
+    streamed = Opener(*_n2_streams())
+    items, _, _ = run(streamed, N2)
+    assert items[-1]["type"] == "error" and "n > 1" in items[-1]["message"]
+    assert len(streamed.payloads) == 1
+
+
+def test_a_restart_counts_against_max_attempts():
+    opener = Opener(*_n2_streams())
+    stream = EngineStream(opener, N2, max_attempts=1, backoff_s=0, restartable=True)
+
+    async def drain() -> list[dict[str, Any]]:
+        return [await stream.start()] + [item async for item in stream]
+
+    items = asyncio.run(drain())
+    assert items[-1]["type"] == "error" and "max_attempts" in items[-1]["message"]
+    assert len(opener.payloads) == 1
+
+
+def test_collect_keeps_only_the_run_after_a_restart():
+    """The non-streamed answer holds the completions of the run that finished, not
+    the tokens of the one that broke before it."""
+    from spur.cluster.fanout import FanOut
+    from spur.cluster.ingress import _collect
+
+    async def answer() -> list[Any]:
+        stream = EngineStream(
+            Opener(*_n2_streams()), N2, max_attempts=3, backoff_s=0, restartable=True
+        )
+        fan = FanOut([stream], buffer=64)
+        await fan.ready()
+        return await _collect(fan, 2, [[1, 2, 3]])
+
+    (out,) = asyncio.run(answer())
+    assert [c.token_ids for c in out.outputs] == [[5, 7], [6, 8]]
+    assert [c.text for c in out.outputs] == ["57", "68"]
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"]

@@ -623,3 +623,75 @@ def test_the_ingress_cold_start_429_names_the_lane() -> None:
         asyncio.run(Ingress._lane(fake, "tiny"))  # type: ignore[arg-type]
     assert info.value.status == 429 and info.value.code == "queue_full"
     assert "lane 'chat' holds its max_queued_requests (3)" in info.value.message
+
+
+# -- s65 review: a spare with a shorter max_model_len ---------------------------------
+def _payload(
+    rid: str, prompt: int, max_tokens: int, *, asked: bool, min_tokens: int = 0
+) -> dict[str, Any]:
+    return {
+        "request_id": rid,
+        "prompt_token_ids": list(range(prompt)),
+        "sampling_params": {"max_tokens": max_tokens, "min_tokens": min_tokens},
+        "max_tokens_asked": asked,
+    }
+
+
+def test_a_named_max_tokens_the_spare_cannot_generate_is_a_503_a_default_one_is_lowered() -> None:
+    """The lane (96) accepted 40 + 50 tokens; its spare (64), serving it now, would
+    stop after 24 with a plain "length". A max_tokens the client named is a 503 that
+    says so (Retry-After, not sent), as is a min_tokens over the spare's room; a
+    default max_tokens is lowered to the spare's room."""
+    s = Setup()
+    s.lanes["chat"].max_model_len, s.lanes["spare"].max_model_len = 96, 64
+    s.engines = [Engine([_tok("s1", 1, "length"), {"type": "final"}])]
+
+    async def scenario() -> list[ProtocolError]:
+        s.register("s1", "spare")
+        await s.monitor.poll()
+        assert s.selector.target("chat") == "spare"
+        errors = []
+        for refused in (
+            _payload("a", 40, 50, asked=True),
+            _payload("m", 40, 50, asked=False, min_tokens=30),
+        ):
+            with pytest.raises(ProtocolError) as info:
+                await EngineStream(s.opener(), refused, max_attempts=3).start()
+            errors.append(info.value)
+        default = _payload("d", 40, 50, asked=False, min_tokens=20)
+        await EngineStream(s.opener(), default, max_attempts=3).start()
+        return errors
+
+    for exc in asyncio.run(scenario()):
+        assert (exc.status, exc.code) == (503, SPARE_CONTEXT_CODE) and not is_retriable(exc)
+        assert "40 tokens and 50 more to generate" in exc.message
+        assert "ask for at most 24 tokens" in exc.message
+    ((name, payload),) = s.sent
+    assert (name, payload["request_id"]) == ("spare", "d")
+    assert payload["sampling_params"] == {"max_tokens": 24, "min_tokens": 20}
+
+
+def test_a_continuation_the_spare_cannot_finish_ends_with_an_error_not_a_short_length() -> None:
+    """A stream of 40 + 50 named tokens breaks after 2 on its primary: the spare
+    (64) could generate 22 of the 48 left. The stream ends with an error item naming
+    the spare's limit, not a "length" finish after 24 tokens."""
+    s = Setup()
+    s.lanes["chat"].max_model_len, s.lanes["spare"].max_model_len = 96, 64
+    events = Events(s)
+    queues = {"chat": [Engine([_tok("c1", 5), _tok("c1", 6), _dead("c1")])], "spare": []}
+
+    async def scenario() -> list[dict[str, Any]]:
+        s.register("c1", "chat")
+        s.register("s1", "spare")
+        await s.monitor.poll()
+        payload = _payload("req", 40, 50, asked=True)
+        stream = EngineStream(
+            _opener(s, queues), payload, max_attempts=3, backoff_s=0.0, on_event=events
+        )
+        return await _drain(stream)
+
+    items = asyncio.run(scenario())
+    assert [it["type"] for it in items] == ["delta", "delta", "error"]
+    assert "max_model_len is 64" in items[-1]["message"]
+    assert "40 tokens and the 2 generated so far and 48 more" in items[-1]["message"]
+    assert s.sent == [("chat", "req")]  # type: ignore[comparison-overlap]

@@ -54,6 +54,9 @@ def _fake_ingress(answers: dict[str, Any]) -> Any:
         draining=None,
         _stats=_stats,
         _token_bytes={},
+        monitor=types.SimpleNamespace(
+            lanes={"spare": Lane("spare", None, {"block_size": 8, "hash_seed": "t"})}
+        ),
     )
     fake._relearn_soon = lambda lane, retry_s=2.0: Ingress._relearn_soon(fake, lane, retry_s)
     fake._check_spare_vocab = lambda *args: Ingress._check_spare_vocab(fake, *args)
@@ -65,9 +68,12 @@ def _fake_ingress(answers: dict[str, Any]) -> Any:
 def test_limits_come_from_the_primaries_when_they_answer(tokenizer_dir: Path) -> None:
     answers = {"chat": _stats(tokenizer_dir, 96, 0.6), "spare": _stats(tokenizer_dir, 64, 0.2)}
     lane = Lane("chat", None, {"block_size": 8, "hash_seed": "t"})
-    asyncio.run(Ingress._init_lane(_fake_ingress(answers), lane))  # type: ignore[arg-type]
+    fake = _fake_ingress(answers)
+    asyncio.run(Ingress._init_lane(fake, lane))  # type: ignore[arg-type]
     assert (lane.max_model_len, lane.sampling_defaults.values["temperature"]) == (96, 0.6)
     assert not lane.limits_from_spare
+    # The spare's own limit is known before any failover (the opener fits requests to it).
+    assert fake.monitor.lanes["spare"].max_model_len == 64
 
 
 def test_limits_learned_from_the_spare_are_read_again_from_a_primary(

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import random
+import types
+from typing import Any
 
-from spur.cluster.limits import WINDOW_S, LimitBook
+import pytest
+
+from spur.cluster.auth import Principal
+from spur.cluster.errors import ProtocolError
+from spur.cluster.ingress import Ingress
+from spur.cluster.lanes import LaneMonitor, LaneSelector
+from spur.cluster.limits import OWNER_SILENCE_S, RENEW_EVERY_S, WINDOW_S, LimitBook
 
 
 class Clock:
@@ -76,6 +86,36 @@ def test_random_sequences_keep_the_books_consistent() -> None:
         book.check_integrity()
         for key in ("k0", "k1", "k2"):
             assert book.usage(key)["in_flight"] <= len(held)
+
+
+def test_random_owners_and_repeated_releases_keep_the_books_consistent() -> None:
+    """Owners that renew, fall silent and come back, and releases sent twice."""
+    rng = random.Random(11)
+    clock = Clock()
+    book = LimitBook(lease_ttl_s=50, clock=clock, owner_silence_s=8)
+    held: list[tuple[str, int]] = []
+    done: list[tuple[str, int]] = []
+    last = clock.t  # when done[-1] was released
+    for _ in range(3000):
+        clock.t += rng.random() * 2
+        roll = rng.random()
+        if roll < 0.2:
+            book.renew(f"i{rng.randrange(2)}")  # i2 never renews
+        elif roll < 0.3 and done and clock.t - last < WINDOW_S:  # remembered a window
+            before = book.usage(done[-1][0])["tokens_last_minute"]
+            book.release(*done[-1], rng.randrange(1, 50))
+            assert book.usage(done[-1][0])["tokens_last_minute"] == before
+        elif roll < 0.6 and held:
+            done.append(held.pop(rng.randrange(len(held))))
+            book.release(*done[-1], rng.randrange(50))
+            last = clock.t
+        else:
+            key = f"k{rng.randrange(3)}"
+            owner = rng.choice([None, "i0", "i1", "i2"])
+            answer = book.admit(key, 3, rng.choice([None, 500]), 10, 100, owner=owner)
+            if "lease" in answer:
+                held.append((key, answer["lease"]))
+        book.check_integrity()
 
 
 def test_a_lease_from_before_a_restart_never_ends_a_new_one() -> None:
@@ -211,4 +251,146 @@ def test_a_refund_takes_back_the_whole_admission() -> None:
     clock.t += WINDOW_S + 1
     book.release("k", late, 0, refund=True)
     assert book.usage("k")["tokens_last_minute"] == 0
+    book.check_integrity()
+
+
+def test_the_leases_of_a_silent_owner_expire() -> None:
+    """An ingress replica died holding the only lease of a key limited to one request:
+    nothing released it, and the key got 429s for the hour of the lease's TTL. A lease
+    now names its owner; once that owner has not renewed for OWNER_SILENCE_S its leases
+    expire (their slots come back), while a renewing owner's lease, and one taken
+    without an owner (only the TTL ends it), stay."""
+    clock = Clock()
+    book = LimitBook(clock=clock)
+    book.admit("a", 1, None, 10, owner="ingress-dead")
+    book.admit("b", 1, None, 10, owner="ingress-live")
+    book.admit("c", 1, None, 10)
+    while clock.t < 1000.0 + OWNER_SILENCE_S - RENEW_EVERY_S:
+        clock.t += RENEW_EVERY_S
+        book.renew("ingress-live")
+        assert book.admit("a", 1, None, 1)["reason"] == "concurrency"  # not yet
+        book.check_integrity()
+    clock.t += RENEW_EVERY_S
+    book.renew("ingress-live")
+    assert "lease" in book.admit("a", 1, None, 1, owner="ingress-new")  # its slot came back
+    for key in ("b", "c"):
+        assert book.admit(key, 1, None, 1)["reason"] == "concurrency", key
+    assert "ingress-dead" not in book.heard  # a dead owner is forgotten
+    book.check_integrity()
+
+
+def test_a_silent_owners_lease_expires_as_the_ttl_ends_one() -> None:
+    """Its reservation stays charged until the window drops it, and a release that
+    comes after all (the owner was only stalled) bills the completion."""
+    clock = Clock()
+    book = LimitBook(clock=clock, owner_silence_s=20)
+    lease = book.admit("k", 2, 1000, 10, 40, asked=True, owner="ingress-a")["lease"]
+    clock.t += 21
+    assert book.usage("k") == {"in_flight": 0, "tokens_last_minute": 50}
+    book.check_integrity()
+    book.release("k", lease, 30)
+    assert book.usage("k") == {"in_flight": 0, "tokens_last_minute": 80}
+    book.check_integrity()
+
+
+class _Remote:
+    """`handle.method.remote(*args)` of an actor whose method is `fn`."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.calls = fn, []
+
+    def remote(self, *args: Any) -> Any:
+        self.calls.append(args)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.fn(*args))
+        return future
+
+
+def _limits(book: LimitBook) -> Any:
+    return types.SimpleNamespace(
+        admit=_Remote(book.admit), release=_Remote(book.release), renew=_Remote(book.renew)
+    )
+
+
+def test_the_ingress_owns_its_leases_and_its_monitor_renews_them() -> None:
+    """`_admit` takes the lease in this ingress's name, and the lane monitor renews it
+    every period in a task of its own: a monitor round stuck on the KV index (slow,
+    restarting: its calls never answer) held the renewals too, and a live ingress's
+    leases expired."""
+    book = LimitBook(clock=Clock())
+    ingress = types.SimpleNamespace(limits=_limits(book))
+    solo = Principal("kid", "solo", "t", False, max_concurrent_requests=1, tokens_per_minute=None)
+    _, lease, _ = asyncio.run(Ingress._admit(ingress, solo, 10, owner="ingress-7"))  # type: ignore[arg-type]
+    assert book.held == {"ingress-7": {lease}}
+
+    class HangingIndex:
+        def __getattr__(self, name: str) -> Any:
+            class Method:
+                def remote(self, *args: Any, **kwargs: Any) -> Any:
+                    return asyncio.get_running_loop().create_future()  # never answered
+
+            return Method()
+
+    selector = LaneSelector(["chat"], spare_of={}, saturation={}, healthy_after_s=1)
+    monitor = LaneMonitor({}, ["chat"], selector, HangingIndex(), "ingress-7", metrics_on=False)
+    monitor.limits = ingress.limits
+
+    async def running() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(monitor.run(period_s=0.01, renew_every_s=0.01))
+        deadline = loop.time() + 10
+        while len(ingress.limits.renew.calls) < 3:
+            assert loop.time() < deadline, ingress.limits.renew.calls
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(running())
+    assert set(ingress.limits.renew.calls) == {("ingress-7",)}
+
+
+def test_too_large_for_its_choices_names_the_choices_not_max_tokens() -> None:
+    """A request that named no max_tokens, whose prompt fits the key's budget but whose
+    choices' minimum (n=4) does not, was told to lower max_tokens, a field it never
+    sent and whose default the server already cuts to fit."""
+    book = LimitBook(clock=Clock())
+    ingress = types.SimpleNamespace(limits=_limits(book))
+    alice = Principal(
+        "kid", "alice", "t", False, max_concurrent_requests=None, tokens_per_minute=100
+    )
+    n = 4
+    admit = Ingress._admit(ingress, alice, 98, (8192 - 98) * n, False, n, choices=n)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError) as err:
+        asyncio.run(admit)
+    assert err.value.param == "prompt", err.value.message
+    assert "fewer than 1 (min_tokens, at least 1) for each of its 4 choices" in err.value.message
+    assert "max_tokens" not in err.value.message.replace("min_tokens", "")
+    # A request that named its max_tokens is still told to lower it.
+    asked = Ingress._admit(ingress, alice, 50, 60, True, 1)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError) as err:
+        asyncio.run(asked)
+    assert err.value.param == "max_tokens"
+
+
+def test_a_second_release_bills_nothing() -> None:
+    """Releasing a lease twice charged its completion twice (130 tokens, then 160),
+    and check_integrity passed. The second release is now ignored, for a live lease
+    and for one that had expired; the book forgets releases after a window."""
+    clock = Clock()
+    book = LimitBook(lease_ttl_s=30, clock=clock)
+    lease = book.admit("k", 4, 1000, 100, 50, asked=True)["lease"]
+    book.release("k", lease, 30)
+    book.release("k", lease, 30)
+    assert book.usage("k") == {"in_flight": 0, "tokens_last_minute": 130}
+    book.check_integrity()
+    expired = book.admit("e", 4, None, 0)["lease"]
+    clock.t += 31
+    book.release("e", expired, 20)
+    book.release("e", expired, 20)
+    assert book.usage("e")["tokens_last_minute"] == 20
+    book.check_integrity()
+    clock.t += WINDOW_S
+    book.usage("k")
+    assert not book.ended  # bounded: one window of releases
     book.check_integrity()

@@ -95,3 +95,51 @@ def test_index_carries_spare_demand_and_the_drain_flag_to_engines() -> None:
     index.record_drain({"replica_id": "r1", "aborted": 0, "integrity": "ok"})
     assert index.drain_status() == {"remaining": 0, "reports": 1}
     assert index.drained()[0]["integrity"] == "ok"
+
+
+def test_successful_probes_and_scrapes_are_not_access_logged() -> None:
+    """Serve logs a line per request at INFO: Kubernetes probes and Prometheus scrapes
+    filled the ingress's log. Their successful lines go; failures and other routes'
+    lines stay (formatted by Serve's own access-log function, with and without the
+    client's address)."""
+    import logging
+
+    from ray.serve._private.logging_utils import access_log_msg
+
+    from spur.cluster.readiness import quiet_probe_logs
+
+    logger = logging.getLogger("spur-test-serve-access")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    quiet_probe_logs(logger.name)
+    quiet_probe_logs(logger.name)  # once per process
+    assert len(logger.filters) == 1
+    lines = [
+        ("GET", "/health", "200", ""),
+        ("GET", "/health/live", "200", "10.0.0.7:4711"),
+        ("GET", "/metrics", "200", ""),
+        ("GET", "/health", "503", ""),
+        ("POST", "/v1/chat/completions", "200", ""),
+        ("GET", "/v1/models", "200", "10.0.0.7:4711"),
+        ("GET", "/healthz", "200", ""),
+    ]
+    for method, route, status, client in lines:
+        msg = access_log_msg(
+            method=method, route=route, status=status, latency_ms=0.4, client=client
+        )
+        logger.info(msg, extra={"serve_access_log": True})
+    logger.info("GET /health 200 0.4ms")  # not an access-log record: kept
+    routes = [" ".join(line.split()[-3:-1]) for line in seen]
+    assert routes == [
+        "/health 503",
+        "/v1/chat/completions 200",
+        "/v1/models 200",
+        "/healthz 200",
+        "/health 200",
+    ]

@@ -576,6 +576,19 @@ def test_losing_both_primaries_sends_the_lane_to_the_spare(env: Env) -> None:
         ),
     )
     assert spare_after > spare_before
+    # One request of three prompts on the spare is one fallback (spur:spare_fallbacks
+    # counts requests), not three.
+    before = _event_count(env.routing(), "fallback")
+    prompts = [[*_prefix(4), 30 + i] for i in range(3)]
+    r = env.http.post(
+        "/v1/completions",
+        json={"model": "chat", "prompt": prompts, "max_tokens": 2, "temperature": 0},
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    after = env.wait_for(
+        "the fallback count", lambda: _event_count(env.routing(), "fallback") > before and 1
+    )
+    assert after and _event_count(env.routing(), "fallback") == before + 1
 
 
 def test_a_returning_node_takes_the_traffic_back(env: Env) -> None:
