@@ -263,16 +263,10 @@ class EngineStream:
             "resumed_chars": self.streamed_chars,
         }
         payload.pop("block_hashes", None)  # the opener hashes the new prompt
-        try:
-            # A retry: the lane view is refreshed, a dead lane fails over to its spare,
-            # and a draining server ends the stream (shutting_down) at once.
-            self.gen, first = await self._open(payload, first_attempt=1)
-        except ProtocolError as exc:
-            return self._error(
-                f"the replica serving this stream failed after {done} tokens ({why}) and no "
-                f"other replica could continue it: {exc.message}",
-                code=exc.code if exc.code == SHUTTING_DOWN_CODE else None,
-            )
+        failure = f"the replica serving this stream failed after {done} tokens ({why})"
+        first, opened = await self._reopen(payload, failure, "continue it")
+        if not opened:
+            return first
         self.on_event("failover", self.replica_id)  # spur:stream_continuations
         self._note(first)
         return first
@@ -286,16 +280,27 @@ class EngineStream:
         payload = {**self.payload, "request_id": f"{self.payload['request_id']}-r{self.restarts}"}
         self.discarded += len(self.generated)
         self.generated, self.streamed_chars, self.done_indices = [], 0, set()
+        failure = f"the replica serving this request failed after {done} tokens ({why})"
+        first, opened = await self._reopen(payload, failure, "run it again")
+        if not opened:
+            return first
+        self._pending = first
+        return {"type": "restart", "replica_id": self.replica_id}
+
+    async def _reopen(
+        self, payload: dict[str, Any], failure: str, to: str
+    ) -> tuple[dict[str, Any], bool]:
+        """Open `payload` after a break, as a retry: the lane view is refreshed, a dead
+        lane fails over to its spare, and a draining server ends the stream
+        (shutting_down) at once. Returns (its first item, True), or (the error item
+        that ends this stream, False) when no replica could `to` ("continue it")."""
         try:
             self.gen, first = await self._open(payload, first_attempt=1)
         except ProtocolError as exc:
-            return self._error(
-                f"the replica serving this request failed after {done} tokens ({why}) and no "
-                f"other replica could run it again: {exc.message}",
-                code=exc.code if exc.code == SHUTTING_DOWN_CODE else None,
-            )
-        self._pending = first
-        return {"type": "restart", "replica_id": self.replica_id}
+            message = f"{failure} and no other replica could {to}: {exc.message}"
+            code = exc.code if exc.code == SHUTTING_DOWN_CODE else None
+            return self._error(message, code=code), False
+        return first, True
 
     def _error(self, message: str, code: str | None = None) -> dict[str, Any]:
         """The 503 error item that ends this stream; `code` only for shutting_down
