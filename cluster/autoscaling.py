@@ -140,7 +140,16 @@ def desired_replicas(
     if loads and mean_kv > targets.kv_usage_high and want <= current:
         want, reason = max(base, current + 1), "kv_pressure"
     if want < base:
-        quiet = mean_waiting == 0 and spare_demand <= 0 and mean_kv < targets.kv_usage_low
+        # Quiet, and staying so on one replica fewer: the lane's KV held by n - 1 replicas
+        # must stay under the high mark, or the next tick adds the replica back (1 <-> 2
+        # at 0.95 of one replica's KV with the default marks).
+        fewer = mean_kv * n / (n - 1) if n > 1 else 0.0
+        quiet = (
+            mean_waiting == 0
+            and spare_demand <= 0
+            and mean_kv < targets.kv_usage_low
+            and fewer <= targets.kv_usage_high
+        )
         if not quiet:
             want, reason = base, "hold"
         elif base == current:  # one replica at a time

@@ -46,6 +46,8 @@ class ReplicaStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    num_queued: int = 0
+    """Requests handed to the engine thread, not yet in its scheduler (behind a step)."""
     kv_usage: float = 0.0
     num_blocks: int = 0
     num_free_blocks: int = 0
@@ -96,11 +98,12 @@ class ReplicaState:
 
     @property
     def load(self) -> int:
-        """Running + waiting requests as last reported, plus those routed here that
-        had not arrived by then."""
+        """Running, waiting and queued requests as last reported, plus those routed
+        here that had not arrived by then."""
         return (
             self.stats.num_running
             + self.stats.num_waiting
+            + self.stats.num_queued
             + len(self.in_flight)
             + self.routed_since_heartbeat
         )

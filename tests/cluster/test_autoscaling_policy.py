@@ -58,6 +58,24 @@ def test_scale_down_only_when_quiet_and_one_at_a_time() -> None:
     assert desired_replicas(busy_kv, current=3, spare_demand=0, targets=T).reason == "hold"
 
 
+def test_kv_pressure_is_not_undone_by_the_next_quiet_tick() -> None:
+    """KV pressure (0.95 of one replica's pool, long requests) adds a replica; the two
+    then read 0.475, under the low mark, and the lane went back to one, whose pool was
+    at 0.95 again: 1 <-> 2 every ~100 s with the default marks, each scale-down draining
+    live long requests. A scale-down now needs the KV to fit one replica fewer."""
+    defaults = Targets(min_replicas=1, max_replicas=4, target_ongoing_requests=16)
+    one = [ReplicaLoad(waiting=0, running=8, kv_usage=0.95)]
+    up = desired_replicas(one, current=1, spare_demand=0, targets=defaults)
+    assert (up.replicas, up.reason) == (2, "kv_pressure")
+    spread = [ReplicaLoad(waiting=0, running=4, kv_usage=0.475) for _ in range(2)]
+    d = desired_replicas(spread, current=2, spare_demand=0, targets=defaults)
+    assert (d.replicas, d.reason) == (2, "hold")
+    # Little enough KV to fit one replica under the high mark: down it goes.
+    light = [ReplicaLoad(waiting=0, running=1, kv_usage=0.3) for _ in range(2)]
+    d = desired_replicas(light, current=2, spare_demand=0, targets=defaults)
+    assert (d.replicas, d.reason) == (1, "idle")
+
+
 def test_bounds() -> None:
     flood = [ReplicaLoad(waiting=100, running=16, kv_usage=0.99)]
     d = desired_replicas(flood, current=1, spare_demand=50, targets=T)

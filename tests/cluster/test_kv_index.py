@@ -135,6 +135,10 @@ def test_a_request_routed_with_its_engine_id_is_load_until_the_engine_has_it(t):
     # The engine reports before any of them reached it: all three still count.
     idx.publish("r1", 1, stats={"num_running": 1, "num_waiting": 0, "arrived": []})
     assert r.load == 4
+    # Queued behind the engine's step is load as well.
+    idx.publish("r1", 1, stats={"num_running": 1, "num_waiting": 0, "num_queued": 2})
+    assert r.load == 6
+    idx.publish("r1", 1, stats={"num_running": 1, "num_waiting": 0, "arrived": []})
     # q1 and q2 arrived: its counts hold them now (one finished meanwhile, one runs).
     idx.publish("r1", 2, stats={"num_running": 2, "num_waiting": 0, "arrived": ["q1", "q2"]})
     assert sorted(r.in_flight) == ["q3"]

@@ -275,8 +275,9 @@ def test_an_engine_stuck_in_a_step_is_not_alive():
 def test_requests_queued_behind_a_step_count_as_waiting_and_as_arrived():
     """The router's index charged a routed request until the engine's next report,
     which could not hold it yet when it was queued behind a running step: the load
-    the router saw dipped at every report. Queued requests now count as waiting, and
-    each request that reached `generate` is listed once (`take_arrived`)."""
+    the router saw dipped at every report. Queued requests are now reported apart
+    (`num_queued`: the router counts them, the autoscaling policy's `num_waiting` does
+    not), and each request that reached `generate` is listed once (`take_arrived`)."""
 
     async def main():
         core, _sched, fake = make_engine(block_size=4, num_blocks=64)
@@ -304,7 +305,7 @@ def test_requests_queued_behind_a_step_count_as_waiting_and_as_arrived():
         assert engine.take_arrived() == ["a", "b", "c"]
         assert engine.take_arrived() == []
         stats = engine.stats()
-        assert (stats["num_running"], stats["num_waiting"]) == (1, 2)
+        assert (stats["num_running"], stats["num_waiting"], stats["num_queued"]) == (1, 0, 2)
         release.set()
         await first
         for nxt, stream in zip(nexts, streams, strict=True):
@@ -312,7 +313,7 @@ def test_requests_queued_behind_a_step_count_as_waiting_and_as_arrived():
             async for _ in stream:
                 pass
         stats = engine.stats()
-        assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
+        assert (stats["num_running"], stats["num_waiting"], stats["num_queued"]) == (0, 0, 0)
         await engine.shutdown()
 
     asyncio.run(main())

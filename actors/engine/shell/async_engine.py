@@ -619,9 +619,11 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot (read from another thread: values may be one step old).
-        `num_waiting` includes the requests queued for the engine thread, which
-        takes them in between steps. Read in the order a request moves (queued, then
-        waiting, then running): one that moves meanwhile counts twice, never not."""
+        `num_queued`: requests handed to the engine thread that it has not taken in
+        yet (it does between steps); the router counts them as load, the autoscaling
+        policy does not (every busy replica has some for part of each step). Read in
+        the order a request moves (queued, waiting, running): one that moves meanwhile
+        counts twice, never not."""
         kv = self.scheduler.kv
         queued = 0 if self.error is not None else max(0, self._adds_sent - self._adds_done)
         waiting = len(self.scheduler.waiting)
@@ -629,7 +631,8 @@ class AsyncEngine:
         return {
             **self.last_stats,
             "num_running": running,
-            "num_waiting": waiting + queued,
+            "num_waiting": waiting,
+            "num_queued": queued,
             "kv_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_blocks": kv.pool.num_blocks,
