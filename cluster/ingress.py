@@ -270,6 +270,20 @@ def _own_internal_request_id() -> Iterator[None]:
         _serve_request_context.reset(token)
 
 
+def _too_few_for_choices(principal: Principal, left: int, each: int, choices: int) -> ProtocolError:
+    """The 400 for a request whose `choices` cannot each get `each` tokens (its
+    min_tokens, at least 1) of the `left` that the key's per-minute budget leaves after
+    its prompt."""
+    return bad_request(
+        f"the prompt leaves {left:,} of the {principal.tokens_per_minute or 0:,} tokens key "
+        f"{principal.name!r} may use per minute, fewer than {each:,} (min_tokens, at least "
+        f"1) for each of its {choices:,} choices: shorten the prompt, ask for fewer choices "
+        "or a lower min_tokens, or ask for a higher tokens_per_minute",
+        param="prompt",
+        code="tokens_per_minute_exceeded",
+    )
+
+
 def _as_protocol_error(exc: BaseException) -> ProtocolError:
     return classify(exc)
 
@@ -656,15 +670,8 @@ class Ingress:
                     code="tokens_per_minute_exceeded",
                 )
             if not asked:  # a default max_tokens is cut to fit: its choices' minimum is not
-                raise bad_request(
-                    f"the prompt leaves {budget - prompt_tokens:,} of the {budget:,} tokens "
-                    f"key {principal.name!r} may use per minute, fewer than "
-                    f"{max(1, min_completion_tokens // choices):,} (min_tokens, at least 1) "
-                    f"for each of its {choices:,} choices: shorten the prompt, ask for fewer "
-                    "choices or a lower min_tokens, or ask for a higher tokens_per_minute",
-                    param="prompt",
-                    code="tokens_per_minute_exceeded",
-                )
+                each = max(1, min_completion_tokens // choices)
+                raise _too_few_for_choices(principal, budget - prompt_tokens, each, choices)
             raise bad_request(
                 f"max_tokens: the prompt's {prompt_tokens:,} tokens and up to "
                 f"{max_completion_tokens:,} generated (max tokens for every choice and "
@@ -851,15 +858,7 @@ class Ingress:
             if share < max(1, params.min_tokens):
                 assert limits is not None and principal is not None
                 limits.release.remote(principal.key_id, lease, 0, True)
-                raise bad_request(
-                    f"the prompt leaves {allowed:,} of the {principal.tokens_per_minute:,} "
-                    f"tokens key {principal.name!r} may use per minute, fewer than "
-                    f"{max(1, params.min_tokens):,} for each of its "
-                    f"{choices:,} choices: shorten the prompt, ask for fewer "
-                    "choices, or ask for a higher tokens_per_minute",
-                    param="prompt",
-                    code="tokens_per_minute_exceeded",
-                )
+                raise _too_few_for_choices(principal, allowed, max(1, params.min_tokens), choices)
             max_tokens_each = [min(m, share) for m in each]
         payloads = [
             {

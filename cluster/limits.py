@@ -52,7 +52,7 @@ OWNER_SILENCE_S = 60.0
 renewals, so a few lost or late ones (a busy actor, a stalled event loop) never end a
 live ingress's leases, yet a dead one's slots come back within about a minute."""
 RENEW_EVERY_S = OWNER_SILENCE_S / 6
-"""How often each ingress calls `renew` (`LaneMonitor.poll`)."""
+"""How often each ingress calls `renew` (`LaneMonitor._renew_loop`)."""
 
 
 class _Charge:

@@ -45,8 +45,7 @@ class KVIndexActor:
         self.routing: OrderedDict[str, str] = OrderedDict()
         """Request id -> the replica its routing charged (load, recorded chain), so that
         Serve's retries of one request (no replica took it) count once."""
-        self.engine_ids: dict[str, str] = {}
-        """Request id -> its engine request id, for the requests in `routing` that have one."""
+
         self.commands: dict[str, list[str]] = {}
         self.started = self.index.clock()
         self.store = MetricsStore()
@@ -237,10 +236,8 @@ class KVIndexActor:
         self._record(best, chain, engine_request_id)
         if request_id is not None:
             self.routing[request_id] = best
-            if engine_request_id is not None:
-                self.engine_ids[request_id] = engine_request_id
             while len(self.routing) > MAX_ROUTING:
-                self.engine_ids.pop(self.routing.popitem(last=False)[0], None)
+                self.routing.popitem(last=False)
         if session:
             self.sessions[session] = best
             self.sessions.move_to_end(session)
@@ -260,10 +257,9 @@ class KVIndexActor:
         engine_request_id: str | None = None,
     ) -> None:
         """Serve sent the request to another replica than the first ranked one: the
-        chain and the unit of load go there (taken back from the one first charged)."""
+        chain and the unit of load go there (taken back from the one first charged;
+        `engine_request_id` as given to `route`)."""
         charged = self.routing.pop(request_id, None) if request_id is not None else None
-        if request_id is not None:
-            engine_request_id = self.engine_ids.pop(request_id, engine_request_id)
         if charged is not None:
             self._uncharge(charged, engine_request_id)
         self._record(replica_id, chain, engine_request_id)

@@ -17,7 +17,7 @@ and expire after `speculative_ttl_s`: the engine's own "stored" event makes one
 real, and one that never lands (the request went elsewhere, was rejected or
 aborted before its prefill) stops attracting traffic.
 
-Load: a replica's running and waiting requests as it last reported them, plus the
+Load: a replica's running, waiting and queued requests as it last reported them, plus the
 requests routed to it that it had not reported as arrived (`stats["arrived"]`, the
 engine request ids that reached it since its previous report): a report does not
 forget a request still in transit or queued behind the engine's step.

@@ -449,6 +449,6 @@ def test_serve_retrying_one_request_counts_it_once() -> None:
     first = actor.route("chat", ["A", "B"], chain, weights, "s", "req-3", "eng-3")[0]
     second = ({"A", "B"} - {first}).pop()
     assert list(actor.index.replicas[first].in_flight) == ["eng-3"]
-    actor.routed_elsewhere(second, chain, "req-3")
+    actor.routed_elsewhere(second, chain, "req-3", "eng-3")  # as the router sends it
     in_flight = {r: list(actor.index.replicas[r].in_flight) for r in "AB"}
     assert in_flight == {first: [], second: ["eng-3"]}

@@ -608,7 +608,7 @@ class AsyncEngine:
     def take_arrived(self) -> list[str]:
         """The request ids that reached `generate` since the last call (event loop
         thread): `stats()` taken after this call counts each of them that is still in
-        the engine, running or waiting (the router's index stops adding them as
+        the engine, running, waiting or queued (the router's index stops adding them as
         routed-but-not-arrived load)."""
         ids, self._arrived = self._arrived, []
         return ids
